@@ -1,0 +1,1 @@
+"""KVGate engine package."""

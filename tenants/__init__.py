@@ -1,0 +1,1 @@
+"""KVGate tenants package."""
