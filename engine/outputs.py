@@ -1,0 +1,74 @@
+"""What the engine hands back to its callers: requests in, per-step deltas out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """One generation request as the engine sees it: token ids, not text.
+
+    `namespace_salt` is the tenant's secret (bytes) and `cache_salt` the optional per-request
+    salt; both enter the hash of the first block, so differently salted requests never share KV.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    namespace_salt: bytes = b""
+    cache_salt: str | None = None
+    tenant: str = ""
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Log-probability of one sampled token and, if asked, of the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """New output of one choice (index < n) since the previous yield."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Per-request accounting; `cached_tokens` counts prompt tokens served from the KV cache."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One yield of `AsyncEngine.generate`: deltas for the choices that advanced."""
+
+    request_id: str
+    outputs: list[CompletionDelta]
+    metrics: RequestMetrics
+    finished: bool = False

@@ -1,0 +1,108 @@
+"""ModelRunner: one forward pass of the HF model over a step's mixed prefill/decode batch.
+
+Only the tokens that lack KV are fed to the model; the prefix is read from the paged pool by
+``engine.attention``. Logits are computed only for rows that sample this step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from cache.kv_storage import KVStorage
+from engine import attention
+from engine.attention import AttentionMetadata, PrefillSpan
+
+
+class ModelRunner:
+    """Owns the model's forward pass over a ``KVStorage``; stateless between steps."""
+
+    def __init__(self, model: torch.nn.Module, storage: KVStorage) -> None:
+        self.model = model
+        self.storage = storage
+        self.block_size = storage.block_size
+        self.device = storage.device
+        impl = attention.register()
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(impl)
+        else:  # pragma: no cover - older transformers
+            model.config._attn_implementation = impl
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        token_ids: Sequence[Sequence[int]],
+        starts: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        sample_rows: Sequence[int],
+    ) -> torch.Tensor:
+        """Run one step and return float32 logits [len(sample_rows), vocab].
+
+        Row i computes ``token_ids[i]`` at positions ``starts[i]...`` using ``block_tables[i]``;
+        ``sample_rows`` lists the rows whose last token's logits are wanted. Single-token rows must
+        come before multi-token rows.
+        """
+        meta, input_ids, positions, last_index = self._prepare(token_ids, starts, block_tables)
+        hidden = self.decoder(
+            input_ids=input_ids, position_ids=positions, use_cache=False, kvgate=meta
+        ).last_hidden_state[0]
+        if not sample_rows:
+            return hidden.new_empty((0, 0), dtype=torch.float32)
+        rows = torch.tensor([last_index[r] for r in sample_rows], device=self.device)
+        return self.lm_head(hidden.index_select(0, rows)).float()
+
+    def _prepare(
+        self, token_ids: Sequence[Sequence[int]], starts: Sequence[int], block_tables: Sequence[Sequence[int]]
+    ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, list[int]]:
+        bs = self.block_size
+        flat_tokens: list[int] = []
+        flat_pos: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        last_index: list[int] = []
+        decode_tables: list[Sequence[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[tuple[int, int, int, Sequence[int]]] = []
+        for toks, start, table in zip(token_ids, starts, block_tables, strict=True):
+            n = len(toks)
+            offset = len(flat_tokens)
+            flat_tokens.extend(toks)
+            positions = range(start, start + n)
+            flat_pos.extend(positions)
+            slot_blocks.extend(table[p // bs] for p in positions)
+            slot_offsets.extend(p % bs for p in positions)
+            last_index.append(offset + n - 1)
+            if n == 1:
+                assert not prefills, "decode rows must precede prefill rows"
+                decode_tables.append(table[: (start // bs) + 1])
+                decode_lens.append(start + 1)
+            else:
+                prefills.append((offset, n, start, table[: -(-(start + n) // bs)]))
+        dev = self.device
+        meta = AttentionMetadata(
+            storage=self.storage,
+            slot_blocks=torch.tensor(slot_blocks, device=dev),
+            slot_offsets=torch.tensor(slot_offsets, device=dev),
+        )
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            padded = [list(t) + [0] * (width - len(t)) for t in decode_tables]
+            meta.num_decodes = len(decode_tables)
+            meta.decode_tables = torch.tensor(padded, device=dev)
+            lens = torch.tensor(decode_lens, device=dev)
+            meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        for offset, n, start, table in prefills:
+            ctx = start + n
+            mask = None
+            if start > 0:
+                q_pos = torch.arange(start, ctx, device=dev)
+                mask = (torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None])[None, None]
+            meta.prefills.append(PrefillSpan(
+                start=offset, end=offset + n, ctx_len=ctx,
+                block_ids=torch.tensor(list(table), device=dev), mask=mask, fresh=start == 0))
+        input_ids = torch.tensor([flat_tokens], device=dev)
+        positions_t = torch.tensor([flat_pos], device=dev)
+        return meta, input_ids, positions_t, last_index

@@ -1,0 +1,70 @@
+"""Sequence: one choice of one request as the scheduler tracks it (tokens, progress, hashes)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from cache.hashing import BlockHash, extend_block_hashes
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """Token ids (prompt then output), how many have KV computed, and their block hashes.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the pool; a step computes the next
+    ``num_tokens - num_computed_tokens`` (or a chunk of them) and samples once it catches up.
+    """
+
+    seq_id: str
+    request_id: str
+    index: int
+    token_ids: list[int]
+    params: SamplingParams
+    root_hash: BlockHash
+    block_size: int
+    generator: torch.Generator | None = None
+    prompt_len: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.prompt_len = len(self.token_ids)
+        self.update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.prompt_len]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def update_block_hashes(self) -> None:
+        extend_block_hashes(self.block_hashes, self.root_hash, self.token_ids, self.block_size)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        if len(self.token_ids) % self.block_size == 0:
+            self.update_block_hashes()
