@@ -37,6 +37,7 @@ class SeqOutput:
     token_id: int
     logprob: TokenLogprob | None
     finish_reason: str | None
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -228,7 +229,7 @@ class EngineCore:
         if reason is not None:
             self._drop(seq, reason)
             self._maybe_retire(seq.request_id)
-        return SeqOutput(seq.request_id, seq.index, token_id, logprob, reason)
+        return SeqOutput(seq.request_id, seq.index, token_id, logprob, reason, max(seq.num_cached_tokens, 0))
 
     # ---- accounting -------------------------------------------------------------------------
     def stats(self) -> dict[str, object]:
