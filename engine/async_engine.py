@@ -207,6 +207,7 @@ class AsyncEngine:
             self._num_running = len(self.core.scheduler.running)
             if outputs:
                 self._post(self._dispatch, outputs)
+        self._drain()  # aborts sent by shutdown free their blocks before the thread exits
 
     def _post(self, fn: Any, *args: Any) -> None:
         loop = self._loop

@@ -1,0 +1,146 @@
+"""AsyncEngine: the step thread, asyncio streams, stop strings, abort and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.errors import EngineNotReadyError, EngineOverloadedError, InvalidRequestError
+from engine.model import load_model
+from engine.outputs import GenerateRequest
+from engine.sampling_params import SamplingParams
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=120))
+
+
+async def started(model_dir: Path, **overrides) -> AsyncEngine:
+    kwargs = dict(model=str(model_dir), block_size=4, num_blocks=256)
+    kwargs.update(overrides)
+    engine = AsyncEngine.from_config(EngineConfig(**kwargs))
+    engine.start()
+    return engine
+
+
+async def collect(engine: AsyncEngine, request: GenerateRequest):
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[int]] = {}
+    reasons: dict[int, str | None] = {}
+    last = None
+    async for out in engine.generate(request):
+        for d in out.outputs:
+            texts[d.index] = texts.get(d.index, "") + d.text
+            tokens.setdefault(d.index, []).extend(d.token_ids)
+            reasons[d.index] = d.finish_reason
+        last = out
+    return texts, tokens, reasons, last
+
+
+def test_concurrent_streams_match_generate(tiny_model_dir):
+    ref = load_model(str(tiny_model_dir))
+    prompts = [ref.tokenizer(f"stream {i} " * (i + 1)).input_ids for i in range(8)]
+
+    async def main():
+        engine = await started(tiny_model_dir)
+        try:
+            results = await asyncio.gather(*[
+                collect(engine, GenerateRequest(f"s{i}", p, SamplingParams(max_tokens=10, temperature=0,
+                                                                              ignore_eos=True)))
+                for i, p in enumerate(prompts)])
+            assert engine.stats()["blocks_in_use"] == 0
+            return results
+        finally:
+            await engine.shutdown()
+
+    results = run(main())
+    for ids, (texts, tokens, reasons, last) in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            expected = ref.model.generate(torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10,
+                                          do_sample=False)[0, len(ids):].tolist()
+        assert tokens[0] == expected
+        assert texts[0] == ref.tokenizer.decode(expected, skip_special_tokens=True)
+        assert reasons[0] == "length"
+        assert last.finished and last.metrics.completion_tokens == 10
+        assert last.metrics.ttft_s is not None and last.metrics.ttft_s >= 0
+
+
+def test_stop_string_ends_choice_and_frees(tiny_model_dir):
+    ref = load_model(str(tiny_model_dir))
+    ids = ref.tokenizer("tell me a story").input_ids
+    with torch.no_grad():
+        expected = ref.model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12,
+                                      do_sample=False)[0, len(ids):].tolist()
+    full = ref.tokenizer.decode(expected, skip_special_tokens=True)
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop.strip() and stop in full
+
+    async def main():
+        engine = await started(tiny_model_dir)
+        try:
+            out = await collect(engine, GenerateRequest(
+                "stop", ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop])))
+            await asyncio.sleep(0.2)
+            assert engine.stats()["blocks_in_use"] == 0
+            return out
+        finally:
+            await engine.shutdown()
+
+    texts, _, reasons, _ = run(main())
+    assert texts[0] == full[: full.index(stop)]
+    assert reasons[0] == "stop"
+
+
+def test_abort_mid_stream_frees_blocks(tiny_model_dir):
+    async def main():
+        engine = await started(tiny_model_dir)
+        try:
+            stream = engine.add_request(GenerateRequest(
+                "long", [5, 6, 7, 8, 9], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)))
+            got = 0
+            async for out in stream:
+                got += len(out.outputs[0].token_ids)
+                if got >= 3:
+                    break
+            assert engine.stats()["blocks_in_use"] > 0
+            engine.abort("long")
+            engine.abort("long")  # idempotent
+            for _ in range(100):
+                if engine.stats()["blocks_in_use"] == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert engine.stats()["blocks_in_use"] == 0
+            assert engine.stats()["num_streams"] == 0
+        finally:
+            await engine.shutdown()
+
+    run(main())
+
+
+def test_errors_before_allocation_and_after_shutdown(tiny_model_dir):
+    async def main():
+        engine = await started(tiny_model_dir, max_queue=1, max_num_seqs=1)
+        try:
+            with pytest.raises(InvalidRequestError):
+                engine.add_request(GenerateRequest("empty", [], SamplingParams()))
+            long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+            engine.add_request(GenerateRequest("a", [1, 2, 3], long))
+            await asyncio.sleep(0.3)  # "a" is running now
+            engine.add_request(GenerateRequest("b", [1, 2, 3], long))
+            with pytest.raises(EngineOverloadedError):
+                engine.add_request(GenerateRequest("c", [1, 2, 3], long))
+            with pytest.raises(InvalidRequestError):
+                engine.add_request(GenerateRequest("a", [1, 2, 3], long))
+        finally:
+            await engine.shutdown(timeout_s=0.1)
+        assert not engine.ready
+        with pytest.raises(EngineNotReadyError):
+            engine.add_request(GenerateRequest("late", [1, 2, 3], SamplingParams()))
+        assert engine.stats()["blocks_in_use"] == 0
+
+    run(main())
