@@ -23,7 +23,7 @@ from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingRow, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,171 @@
+"""Load a Hugging Face causal LM for serving and fingerprint it for KV-cache keys.
+
+`load_model` resolves the aliases `tiny`, `small` and `default`, checks the architecture is one
+the paged runner supports (Llama, Qwen2, Mistral) and returns a frozen model with its shapes.
+`model_fingerprint` is the digest that keeps KV of different models, dtypes or layouts apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+}
+_ALIAS_NAMES = {"tiny": "tiny", "small": "small", "default": "SmolLM2-135M-Instruct"}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype", "name_or_path"})
+_EDGE_ELEMENTS = 256
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready for inference (eval mode, no grad) plus the shapes the KV cache needs."""
+
+    model: Any
+    tokenizer: Any
+    config: Any
+    path: str
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    eos_token_ids: list[int]
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads, head_dim): the per-token KV layout."""
+        return (self.num_layers, self.num_kv_heads, self.head_dim)
+
+
+def resolve_model_path(model: str) -> str:
+    """Map the aliases `tiny`, `small` and `default` to local folders; return anything else as is."""
+    if model in ("tiny", "small"):
+        from engine.tiny_model import tiny_model_dir
+
+        return str(tiny_model_dir(size=model))
+    if model == "default":
+        from engine.default_model import ensure_default_model
+
+        return str(ensure_default_model())
+    return model
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` means CUDA when available, else CPU; anything else is passed to `torch.device`."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available; use --device cpu")
+    return resolved
+
+
+def load_model(model: str, dtype: str = "float32", device: str = "auto") -> LoadedModel:
+    """Load weights and tokenizer from a folder, hub id or alias, checking the architecture first."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    torch_dtype, torch_device = DTYPES[dtype], resolve_device(device)
+    path = resolve_model_path(model)
+    _check_location(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"could not load model {path!r}: it is not a local folder and the hub lookup "
+                         f"failed ({exc}). Pass a local HF folder, a hub id (needs network or the HF "
+                         "cache), 'tiny' or 'default'") from exc
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model {path!r} has model_type {config.model_type!r}; KVGate serves only "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)} models (e.g. 'default' or 'tiny')")
+    logger.info("loading model", extra={"path": path, "dtype": dtype, "device": str(torch_device)})
+    hf_model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    hf_model.to(torch_device).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    num_heads = config.num_attention_heads
+    return LoadedModel(
+        model=hf_model, tokenizer=tokenizer, config=hf_model.config, path=path,
+        name=_served_name(model, path), device=torch_device, dtype=torch_dtype,
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        eos_token_ids=_eos_token_ids(hf_model, tokenizer),
+    )
+
+
+def model_fingerprint(model: Any, dtype: str | torch.dtype, block_size: int,
+                      kv_shape: tuple[int, int, int]) -> bytes:
+    """32-byte blake2b of config, a cheap weights identity, dtype, block size and KV shape.
+
+    The weights identity hashes each parameter's name, shape, dtype and its first and last 256
+    values, so copies of the same weights agree and different initialisations do not. The
+    model's path never enters the digest.
+    """
+    digest = hashlib.blake2b(digest_size=32, person=b"kvgate-model")
+    config = {k: v for k, v in model.config.to_dict().items()
+              if k not in _VOLATILE_CONFIG_KEYS and not k.startswith("_")}
+    _update(digest, b"config", json.dumps(config, sort_keys=True, default=str).encode())
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        flat = param.detach().reshape(-1)
+        edges = torch.cat([flat[:_EDGE_ELEMENTS], flat[-_EDGE_ELEMENTS:]]).cpu().contiguous()
+        header = f"{name}|{tuple(param.shape)}|{param.dtype}".encode()
+        _update(digest, b"param", header, edges.view(torch.uint8).numpy().tobytes())
+    dtype_name = str(dtype).removeprefix("torch.")
+    layout = f"{dtype_name}|{int(block_size)}|{tuple(int(x) for x in kv_shape)}".encode()
+    _update(digest, b"layout", layout)
+    return digest.digest()
+
+
+def _update(digest: Any, *parts: bytes) -> None:
+    """Feed length-prefixed parts so that no two different inputs share a byte stream."""
+    for part in parts:
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+
+
+def _check_location(path: str) -> None:
+    """Reject a missing local folder early, with a message that says what to pass instead."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ValueError(f"model folder {path} has no config.json; pass a folder written by "
+                             "save_pretrained, a hub id, 'tiny' or 'default'")
+        return
+    if local.exists() or not _HUB_ID.match(path):
+        raise FileNotFoundError(f"model folder {path} not found; pass a local HF folder, a hub id, "
+                                "'tiny' or 'default'")
+
+
+def _served_name(model: str, path: str) -> str:
+    if model in _ALIAS_NAMES:
+        return _ALIAS_NAMES[model]
+    local = Path(path).expanduser()
+    return local.resolve().name if local.is_dir() else path
+
+
+def _eos_token_ids(hf_model: Any, tokenizer: Any) -> list[int]:
+    """End-of-sequence ids from the generation config, then the tokenizer, deduplicated in order."""
+    ids: list[int] = []
+    generation = getattr(hf_model, "generation_config", None)
+    for source in (getattr(generation, "eos_token_id", None), tokenizer.eos_token_id):
+        for value in source if isinstance(source, (list, tuple)) else [source]:
+            if value is not None and int(value) not in ids:
+                ids.append(int(value))
+    return ids
