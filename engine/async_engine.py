@@ -247,6 +247,8 @@ class AsyncEngine:
                 reason = "stop"
             elif reason is not None:
                 text += choice.detok.finish()
+                if choice.detok.stopped:  # the flushed tail completed a stop string
+                    reason = "stop"
             if reason is not None:
                 choice.finished = True
             logprobs: list[TokenLogprob] | None = [out.logprob] if out.logprob is not None else None
