@@ -63,7 +63,8 @@ class KVStorage:
 
     def write_block(self, block_id: int, data: bytes | bytearray | memoryview) -> None:
         """Copy raw bytes produced by ``read_block`` (same shape and dtype) into block ``block_id``."""
-        if len(data) != self.block_nbytes:
-            raise ValueError(f"block payload is {len(data)} bytes, expected {self.block_nbytes}")
-        src = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8)
+        view = memoryview(data).cast("B")
+        if view.nbytes != self.block_nbytes:
+            raise ValueError(f"block payload is {view.nbytes} bytes, expected {self.block_nbytes}")
+        src = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8)
         self.kv[block_id].view(torch.uint8).reshape(-1).copy_(src)

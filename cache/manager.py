@@ -66,7 +66,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         start = time.perf_counter()
-        max_blocks = min(len(block_hashes), (num_tokens - 1) // self.block_size)
+        max_blocks = min(len(block_hashes), max(0, num_tokens - 1) // self.block_size)
         hits: list[Block] = []
         for block_hash in block_hashes[:max_blocks]:
             block = self.pool.get_cached_block(block_hash)
