@@ -76,6 +76,7 @@ class AsyncEngine:
         self.tokenizer = core.loaded.tokenizer
         self.model_name = core.config.served_model_name or core.loaded.name
         self.max_model_len = core.max_model_len
+        self.fingerprint: bytes = core.fingerprint
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _RequestState] = {}

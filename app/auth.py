@@ -1,0 +1,77 @@
+"""Request dependencies: the caller's tenant, the admin check, and the serving engine.
+
+`Authorization: Bearer <key>` resolves to a `Tenant` through the registry (hashed keys, constant
+time); with no tenants configured every caller is the anonymous tenant and keys are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from app.errors import AuthenticationError
+from app.settings import Settings
+from engine.async_engine import AsyncEngine
+from engine.errors import EngineNotReadyError
+from tenants.registry import Tenant, TenantRegistry
+
+
+def bearer_token(request: Request) -> str | None:
+    """The key of an `Authorization: Bearer <key>` header, or None."""
+    header = request.headers.get("authorization")
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def get_registry(request: Request) -> TenantRegistry:
+    return request.app.state.registry
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_tenant(request: Request, registry: Annotated[TenantRegistry, Depends(get_registry)]) -> Tenant:
+    """The tenant the bearer key belongs to; 401 when a key is needed and missing or unknown."""
+    token = bearer_token(request)
+    tenant = registry.authenticate(token)
+    if tenant is None:
+        if token is None:
+            raise AuthenticationError("You didn't provide an API key. Send it as "
+                                      "'Authorization: Bearer <key>'.")
+        raise AuthenticationError("Incorrect API key provided.")
+    request.state.tenant = tenant.name
+    return tenant
+
+
+def require_admin(request: Request, registry: Annotated[TenantRegistry, Depends(get_registry)]) -> None:
+    """Allow the call only with the admin key (open when no admin key and no tenants exist)."""
+    request.state.tenant = "admin"
+    if not registry.is_admin(bearer_token(request)):
+        raise AuthenticationError("This endpoint needs the admin API key.")
+
+
+def get_engine(request: Request) -> AsyncEngine:
+    """The running engine; 503 while it loads, after it failed, or while the server drains."""
+    state = request.app.state
+    if state.draining:
+        raise EngineNotReadyError("The server is shutting down.")
+    engine = state.engine
+    if engine is None:
+        if state.load_error is not None:
+            raise EngineNotReadyError("The model failed to load.")
+        raise EngineNotReadyError("The model is still loading; retry shortly.")
+    if not engine.ready:
+        raise EngineNotReadyError("The engine is not ready.")
+    return engine
+
+
+CurrentTenant = Annotated[Tenant, Depends(get_tenant)]
+AdminAccess = Depends(require_admin)
+Engine = Annotated[AsyncEngine, Depends(get_engine)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]

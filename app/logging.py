@@ -1,0 +1,127 @@
+"""Structured access log and request counters, from one pure ASGI middleware.
+
+One line per request once its last body byte is sent (so streams are logged when they end):
+`request_id tenant method path status prompt_tokens completion_tokens cached_tokens ttft_ms
+duration_ms`, as `key=value` pairs and as `extra` fields for JSON log handlers. Handlers add
+their figures to `request.state` (`tenant`, `completion_id`, `usage`, `ttft_s`, `disconnected`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+access_logger = logging.getLogger("kvgate.access")
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(level: str = "info") -> None:
+    """Plain `key=value` lines on stderr for the app, uvicorn and the engine."""
+    logging.basicConfig(level=level.upper(), format=_LOG_FORMAT)
+
+
+@dataclass
+class RequestCounters:
+    """Totals since start, reported by `/admin/metrics`."""
+
+    requests_total: int = 0
+    requests_in_flight: int = 0
+    client_disconnects: int = 0
+    prompt_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    completion_tokens_total: int = 0
+    by_status: Counter[int] = field(default_factory=Counter)
+    by_path: Counter[str] = field(default_factory=Counter)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "requests_total": self.requests_total,
+            "requests_in_flight": self.requests_in_flight,
+            "client_disconnects": self.client_disconnects,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "cached_tokens_total": self.cached_tokens_total,
+            "completion_tokens_total": self.completion_tokens_total,
+            "by_status": {str(k): v for k, v in sorted(self.by_status.items())},
+            "by_path": dict(sorted(self.by_path.items())),
+        }
+
+
+class AccessLogMiddleware:
+    """Assign a request id (`X-Request-Id`), count the request, and log it when it ends."""
+
+    def __init__(self, app: ASGIApp, counters: RequestCounters) -> None:
+        self.app = app
+        self.counters = counters
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        state = scope.setdefault("state", {})
+        incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = incoming if _REQUEST_ID_RE.match(incoming) else f"req-{uuid.uuid4().hex[:16]}"
+        state["request_id"] = request_id
+        state["arrival"] = started
+        status = 500
+        logged = False
+        self.counters.requests_in_flight += 1
+
+        def finish() -> None:
+            nonlocal logged
+            if not logged:
+                logged = True
+                self.counters.requests_in_flight -= 1
+                self._log(scope, state, status, started)
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                finish()
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            finish()
+
+    def _log(self, scope: Scope, state: dict[str, Any], status: int, started: float) -> None:
+        usage = state.get("usage") or {}
+        if state.get("disconnected"):
+            status = 499
+            self.counters.client_disconnects += 1
+        counters = self.counters
+        counters.requests_total += 1
+        counters.by_status[status] += 1
+        counters.by_path[scope["path"]] += 1
+        counters.prompt_tokens_total += usage.get("prompt_tokens", 0)
+        counters.cached_tokens_total += usage.get("cached_tokens", 0)
+        counters.completion_tokens_total += usage.get("completion_tokens", 0)
+        ttft = state.get("ttft_s")
+        fields = {
+            "request_id": state.get("request_id"),
+            "completion_id": state.get("completion_id"),
+            "tenant": state.get("tenant", "-"),
+            "method": scope["method"],
+            "path": scope["path"],
+            "status": status,
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": usage.get("completion_tokens"),
+            "cached_tokens": usage.get("cached_tokens"),
+            "ttft_ms": None if ttft is None else round(ttft * 1000, 1),
+            "duration_ms": round((time.perf_counter() - started) * 1000, 1),
+        }
+        line = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+        access_logger.info(line, extra={"access": fields})

@@ -1,0 +1,220 @@
+"""Server settings: the TOML file of CONTRACT.md, `KVGATE_CONFIG`, and CLI flag overrides.
+
+Every key has a default; an unknown key is an error that names it (a typo must not silently
+fall back to a default). Precedence: flags > file (`--config`, else `$KVGATE_CONFIG`) > defaults.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engine.config import EngineConfig
+from tenants.registry import TenantRegistry, TenantSpec, load_server_secret
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+logger = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message says which key and why."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSettings(_Section):
+    path: str = "default"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_model_len: int = Field(default=4096, gt=0)
+
+
+class ServerSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    max_queue: int = Field(default=256, gt=0)
+    secret: str | None = Field(default=None, repr=False)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    shutdown_timeout_s: float = Field(default=10.0, ge=0)
+
+
+class EngineSettings(_Section):
+    """Scheduler and runtime knobs (an extension of the contract's keys)."""
+
+    device: str = "auto"
+    max_num_seqs: int = Field(default=64, gt=0)
+    max_num_batched_tokens: int = Field(default=512, gt=0)
+    num_threads: int | None = Field(default=None, gt=0)
+    enable_prefix_caching: bool = True
+
+
+class DeviceCacheSettings(_Section):
+    num_blocks: int = Field(default=1024, ge=2)
+
+
+class HostCacheSettings(_Section):
+    capacity_mb: int = Field(default=1024, ge=0)
+
+
+class DiskCacheSettings(_Section):
+    path: str = "/var/lib/kvgate/kv"
+    capacity_mb: int = Field(default=10240, ge=0)
+
+
+class RemoteCacheSettings(_Section):
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False
+    ttl_s: int = Field(default=86400, gt=0)
+    write: Literal["through", "back"] = "through"
+
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, url: str) -> str:
+        if not url.startswith(("redis://", "rediss://")):
+            raise ValueError("must start with redis:// or rediss://")
+        return url
+
+
+class CacheSettings(_Section):
+    block_size: int = Field(default=16, gt=0)
+    device: DeviceCacheSettings = DeviceCacheSettings()
+    host: HostCacheSettings | None = None
+    disk: DiskCacheSettings | None = None
+    remote: RemoteCacheSettings | None = None
+
+
+class AdminSettings(_Section):
+    api_key: str | None = Field(default=None, repr=False)
+
+
+class QuotaSettings(_Section):
+    device: int | None = Field(default=None, ge=0)
+    host: int | None = Field(default=None, ge=0)
+    disk: int | None = Field(default=None, ge=0)
+    remote: int | None = Field(default=None, ge=0)
+
+
+class TenantSettings(_Section):
+    name: str
+    api_keys: list[str] = Field(repr=False)
+    share_group: str = ""
+    quota: QuotaSettings = QuotaSettings()
+
+
+class Settings(_Section):
+    """The whole configuration file."""
+
+    model: ModelSettings = ModelSettings()
+    server: ServerSettings = ServerSettings()
+    engine: EngineSettings = EngineSettings()
+    cache: CacheSettings = CacheSettings()
+    admin: AdminSettings = AdminSettings()
+    tenants: list[TenantSettings] = []
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's view of this configuration."""
+        try:
+            return EngineConfig(
+                model=self.model.path, dtype=self.model.dtype, device=self.engine.device,
+                max_model_len=self.model.max_model_len, block_size=self.cache.block_size,
+                num_blocks=self.cache.device.num_blocks, max_num_seqs=self.engine.max_num_seqs,
+                max_num_batched_tokens=self.engine.max_num_batched_tokens,
+                max_queue=self.server.max_queue,
+                enable_prefix_caching=self.engine.enable_prefix_caching,
+                num_threads=self.engine.num_threads,
+            )
+        except ValueError as exc:
+            raise ConfigError(f"invalid engine configuration: {exc}") from exc
+
+    def tenant_registry(self, env: Mapping[str, str] | None = None) -> TenantRegistry:
+        """Hash the keys and derive the salts (loads or creates the server secret)."""
+        try:
+            secret = load_server_secret(self.server.secret, env)
+            specs = [
+                TenantSpec(t.name, tuple(t.api_keys), t.share_group,
+                           {k: v for k, v in t.quota.model_dump().items() if v is not None})
+                for t in self.tenants
+            ]
+            return TenantRegistry.build(specs, secret, self.admin.api_key)
+        except ValueError as exc:
+            raise ConfigError(f"invalid tenants configuration: {exc}") from exc
+
+    def inactive_tiers(self) -> list[str]:
+        """Configured cache tiers beyond the device that this version does not run."""
+        tiers = []
+        if self.cache.host is not None and self.cache.host.capacity_mb > 0:
+            tiers.append("host")
+        if self.cache.disk is not None:
+            tiers.append("disk")
+        if self.cache.remote is not None:
+            tiers.append("remote")
+        return tiers
+
+
+def _format_errors(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        key = ""
+        for part in error["loc"]:
+            key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else str(part))
+        if error["type"] == "extra_forbidden":
+            lines.append(f"unknown key '{key}'")
+        else:
+            lines.append(f"'{key}': {error['msg']}")
+    return "; ".join(lines)
+
+
+def load_settings(config: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None,
+                  env: Mapping[str, str] | None = None) -> Settings:
+    """Read the TOML file (`config`, else `$KVGATE_CONFIG`, else none) and apply overrides.
+
+    `overrides` maps dotted keys (`"model.path"`, `"server.port"`) to values; None values are
+    skipped so unset CLI flags do not override the file.
+    """
+    env = os.environ if env is None else env
+    path = config if config is not None else env.get("KVGATE_CONFIG") or None
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with Path(path).open("rb") as handle:
+                data = tomllib.load(handle)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file not found: {path}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section = data
+        *parents, leaf = dotted.split(".")
+        for name in parents:
+            section = section.setdefault(name, {})
+        section[leaf] = value
+    try:
+        settings = Settings.model_validate(data)
+    except ValidationError as exc:
+        where = f" in {path}" if path is not None else ""
+        raise ConfigError(f"invalid configuration{where}: {_format_errors(exc)}") from exc
+    settings.engine_config()  # surface engine-level errors at load time
+    return settings
+
+
+def log_settings_warnings(settings: Settings) -> None:
+    """Warn about configured features this version accepts but does not run."""
+    tiers = settings.inactive_tiers()
+    if tiers:
+        logger.warning("cache tiers beyond the device are not enabled in this version; "
+                       "ignoring configured tiers=%s", ",".join(tiers))
+    if settings.tenants and settings.admin.api_key is None:
+        logger.warning("tenants are configured but [admin] api_key is not: /admin/* is locked")

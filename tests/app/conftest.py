@@ -1,0 +1,200 @@
+"""Real `kvgate serve` processes on free ports, serving the tiny model.
+
+`server` (one per session) is the anonymous, default-configured server; `tenant_server` (one per
+session) runs from a TOML file with tenants, an admin key, a small queue and a small body limit.
+Both share one `KVGATE_CACHE_DIR`, so the tiny model is built once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+KVGATE = str(Path(sys.executable).with_name("kvgate"))
+ADMIN_KEY = "admin-secret-for-tests"
+TENANT_KEYS = {"acme": "sk-acme-1", "beta": "sk-beta-1", "gamma": "sk-gamma-1"}
+TENANT_CONFIG = f"""
+[model]
+path = "tiny"
+max_model_len = 1024
+
+[server]
+max_queue = 1
+max_body_bytes = 65536
+secret = "tests-only-server-secret-0123456789"
+
+[engine]
+max_num_seqs = 1
+
+[cache]
+block_size = 16
+
+[cache.device]
+num_blocks = 256
+
+[cache.host]
+capacity_mb = 64
+
+[admin]
+api_key = "{ADMIN_KEY}"
+
+[[tenants]]
+name = "acme"
+api_keys = ["{TENANT_KEYS['acme']}", "sk-acme-2"]
+
+[[tenants]]
+name = "beta"
+api_keys = ["{TENANT_KEYS['beta']}"]
+share_group = "team"
+
+[[tenants]]
+name = "gamma"
+api_keys = ["{TENANT_KEYS['gamma']}"]
+share_group = "team"
+quota = {{ device = 128 }}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """One `kvgate serve` subprocess; its output goes to a log file shown on failure."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = log_path.open("w")
+        self.proc = subprocess.Popen([KVGATE, "serve", "--port", str(self.port), *args], cwd=ROOT, env=env,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()
+
+    def wait_until(self, path: str = "/ready", timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvgate serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"kvgate serve was not ready after {timeout_s}s:\n{self.log()}")
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM, then wait; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def kvgate_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Environment for servers (and this process): a private `KVGATE_CACHE_DIR`, no config."""
+    cache_dir = str(tmp_path_factory.mktemp("kvgate-cache"))
+    saved = os.environ.get("KVGATE_CACHE_DIR")
+    os.environ["KVGATE_CACHE_DIR"] = cache_dir
+    env = {k: v for k, v in os.environ.items() if k not in ("KVGATE_CONFIG", "KVGATE_SECRET")}
+    env["KVGATE_CACHE_DIR"] = cache_dir
+    env.setdefault("OMP_NUM_THREADS", "1")
+    yield env
+    if saved is None:
+        os.environ.pop("KVGATE_CACHE_DIR", None)
+    else:
+        os.environ["KVGATE_CACHE_DIR"] = saved
+
+
+@pytest.fixture(scope="session")
+def start_server(kvgate_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
+    """Factory: start a `kvgate serve` with extra args (and optional config text), wait for /ready."""
+    started: list[ServerProcess] = []
+
+    def start(*args: str, config: str | None = None, wait: str | None = "/ready") -> ServerProcess:
+        folder = tmp_path_factory.mktemp("server")
+        argv = list(args)
+        if config is not None:
+            (folder / "kvgate.toml").write_text(config)
+            argv = ["--config", str(folder / "kvgate.toml"), *argv]
+        server = ServerProcess(argv, folder / "server.log", kvgate_env)
+        started.append(server)
+        if wait is not None:
+            server.wait_until(wait)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def server(start_server) -> ServerProcess:
+    """Anonymous server: `kvgate serve --model tiny`, default configuration."""
+    return start_server("--model", "tiny")
+
+
+@pytest.fixture(scope="session")
+def tenant_server(start_server) -> ServerProcess:
+    """Server from a TOML file: three tenants (two share a group), admin key, queue of 1."""
+    return start_server(config=TENANT_CONFIG)
+
+
+@pytest.fixture()
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+def wait_for_idle(client: httpx.Client, headers: dict[str, str] | None = None, timeout_s: float = 10.0) -> dict:
+    """Poll /admin/metrics until no KV block is in use; returns the last metrics."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = client.get("/admin/metrics", headers=headers).json()
+        if metrics["blocks_in_use"] == 0 and metrics["num_running"] == 0 and metrics["num_waiting"] == 0:
+            return metrics
+        if time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None,
+                 code: str | None = None) -> dict:
+    """The OpenAI error shape, exactly: {"error": {message, type, param, code}}."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error

@@ -1,0 +1,136 @@
+"""TOML settings: defaults, overrides, `KVGATE_CONFIG`, unknown keys named, engine mapping."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from app.settings import ConfigError, load_settings, log_settings_warnings
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "kvgate.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_match_the_contract() -> None:
+    settings = load_settings(env={})
+    config = settings.engine_config()
+    assert (config.model, config.dtype, config.max_model_len) == ("default", "float32", 4096)
+    assert (config.block_size, config.num_blocks, config.max_queue) == (16, 1024, 256)
+    assert (settings.server.host, settings.server.port) == ("127.0.0.1", 8000)
+    assert settings.tenants == [] and settings.admin.api_key is None
+
+
+def test_file_then_flags(tmp_path: Path) -> None:
+    path = _write(tmp_path, """
+[model]
+path = "/models/x"
+dtype = "bfloat16"
+max_model_len = 2048
+[server]
+port = 9000
+max_queue = 8
+[cache]
+block_size = 32
+[cache.device]
+num_blocks = 64
+[engine]
+max_num_seqs = 4
+""")
+    config = load_settings(path, env={}).engine_config()
+    assert (config.model, config.dtype, config.max_model_len, config.max_queue) == ("/models/x", "bfloat16", 2048, 8)
+    assert (config.block_size, config.num_blocks, config.max_num_seqs) == (32, 64, 4)
+    settings = load_settings(path, {"model.path": "tiny", "server.port": 1234, "server.host": None}, env={})
+    assert settings.model.path == "tiny" and settings.server.port == 1234 and settings.server.host == "127.0.0.1"
+
+
+def test_kvgate_config_env(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[server]\nport = 7777\n")
+    assert load_settings(env={"KVGATE_CONFIG": path}).server.port == 7777
+    assert load_settings(_write(tmp_path, "[server]\nport = 1\n"), env={"KVGATE_CONFIG": "/nope"}).server.port == 1
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    ("[cache.devcie]\nnum_blocks = 3\n", "unknown key 'cache.devcie'"),
+    ("[model]\npaht = 'x'\n", "unknown key 'model.paht'"),
+    ("[[tenants]]\nname = 'a'\napi_keys = ['k']\nquota = { gpu = 1 }\n", "unknown key 'tenants[0].quota.gpu'"),
+    ("[model]\ndtype = 'int8'\n", "'model.dtype'"),
+    ("[cache.device]\nnum_blocks = 0\n", "'cache.device.num_blocks'"),
+    ("[cache.remote]\nurl = 'http://x'\n", "'cache.remote.url'"),
+    ("[cache.remote]\nwrite = 'sideways'\n", "'cache.remote.write'"),
+    ("[server]\nport = 'eighty'\n", "'server.port'"),
+    ("[engine]\nmax_num_batched_tokens = 4\n", "max_num_batched_tokens"),
+    ("not toml [", "not valid TOML"),
+])
+def test_bad_config_names_the_key(tmp_path: Path, text: str, named: str) -> None:
+    with pytest.raises(ConfigError, match=r".*") as info:
+        load_settings(_write(tmp_path, text), env={})
+    assert named in str(info.value)
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings("/does/not/exist.toml", env={})
+
+
+def test_tiers_accepted_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = _write(tmp_path, """
+[cache.host]
+capacity_mb = 1024
+[cache.disk]
+path = "/tmp/kv"
+capacity_mb = 10
+[cache.remote]
+url = "rediss://cache:6380/1"
+cluster = true
+ttl_s = 60
+write = "back"
+""")
+    settings = load_settings(path, env={})
+    assert settings.inactive_tiers() == ["host", "disk", "remote"]
+    with caplog.at_level(logging.WARNING):
+        log_settings_warnings(settings)
+    assert "not enabled in this version" in caplog.text
+    assert load_settings(_write(tmp_path, "[cache.host]\ncapacity_mb = 0\n"), env={}).inactive_tiers() == []
+
+
+def test_tenants_config_builds_a_registry(tmp_path: Path) -> None:
+    path = _write(tmp_path, """
+[server]
+secret = "0123456789abcdef0123"
+[admin]
+api_key = "adm"
+[[tenants]]
+name = "acme"
+api_keys = ["k1", "k2"]
+quota = { device = 512, host = 4096 }
+[[tenants]]
+name = "beta"
+api_keys = ["k3"]
+share_group = "g"
+""")
+    registry = load_settings(path, env={}).tenant_registry(env={})
+    acme = registry.authenticate("k2")
+    assert acme is not None and acme.name == "acme" and dict(acme.quota) == {"device": 512, "host": 4096}
+    assert registry.authenticate("k3").namespace == "group:g"
+    assert registry.is_admin("adm") and not registry.is_admin("k1")
+    assert "k1" not in repr(load_settings(path, env={}))
+
+
+def test_bad_tenants_are_config_errors(tmp_path: Path) -> None:
+    path = _write(tmp_path, """
+[server]
+secret = "0123456789abcdef0123"
+[[tenants]]
+name = "a"
+api_keys = ["same"]
+[[tenants]]
+name = "b"
+api_keys = ["same"]
+""")
+    with pytest.raises(ConfigError, match="also a key of tenant 'a'"):
+        load_settings(path, env={}).tenant_registry(env={})
