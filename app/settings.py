@@ -54,7 +54,7 @@ class EngineSettings(_Section):
 
     device: str = "auto"
     max_num_seqs: int = Field(default=64, gt=0)
-    max_num_batched_tokens: int = Field(default=512, gt=0)
+    max_num_batched_tokens: int = Field(default=2048, gt=0)
     num_threads: int | None = Field(default=None, gt=0)
     enable_prefix_caching: bool = True
 
@@ -216,5 +216,9 @@ def log_settings_warnings(settings: Settings) -> None:
     if tiers:
         logger.warning("cache tiers beyond the device are not enabled in this version; "
                        "ignoring configured tiers=%s", ",".join(tiers))
+    quotas = [t.name for t in settings.tenants if any(v is not None for v in t.quota.model_dump().values())]
+    if quotas:
+        logger.warning("per-tenant block quotas are not enforced in this version; "
+                       "ignoring quotas of tenants=%s", ",".join(quotas))
     if settings.tenants and settings.admin.api_key is None:
         logger.warning("tenants are configured but [admin] api_key is not: /admin/* is locked")

@@ -22,7 +22,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int = 1024
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 2048
     max_queue: int = 256
     enable_prefix_caching: bool = True
     served_model_name: str | None = None

@@ -69,6 +69,11 @@ class EngineCore:
         self.loaded = loaded or load_model(config.model, config.dtype, config.device)
         hf_config = self.loaded.config
         self.max_model_len = min(config.max_model_len, getattr(hf_config, "max_position_embeddings", 1 << 30))
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True) and window < self.max_model_len:
+            logger.warning("model uses sliding-window attention (%d tokens); the paged kernel attends to the "
+                           "whole context, so max_model_len is capped at the window", window)
+            self.max_model_len = int(window)
         self.vocab_size = int(hf_config.vocab_size)
         self.block_size = config.block_size
         self.storage = KVStorage(
