@@ -65,7 +65,7 @@ def paged_attention_forward(
     if kvgate is None:
         raise RuntimeError("kvgate paged attention called without metadata; run the model through ModelRunner")
     meta = kvgate
-    layer = module.layer_idx
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
     storage = meta.storage
     k_cache = storage.keys(layer)
     v_cache = storage.values(layer)

@@ -7,6 +7,7 @@ Only the tokens that lack KV are fed to the model; the prefix is read from the p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -18,7 +19,7 @@ from engine.attention import AttentionMetadata, PrefillSpan
 class ModelRunner:
     """Owns the model's forward pass over a ``KVStorage``; stateless between steps."""
 
-    def __init__(self, model: torch.nn.Module, storage: KVStorage) -> None:
+    def __init__(self, model: Any, storage: KVStorage) -> None:
         self.model = model
         self.storage = storage
         self.block_size = storage.block_size

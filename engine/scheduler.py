@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from cache.block_pool import Block
 from cache.manager import KVCacheManager
 from engine.sequence import Sequence, SequenceStatus
 
@@ -79,7 +80,8 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits, num_cached = [], 0
+            hits: list[Block] = []
+            num_cached = 0
             if seq.num_computed_tokens == 0:
                 hits, num_cached = self.manager.get_computed_blocks(seq.block_hashes, seq.num_tokens)
             num_new = min(seq.num_tokens - num_cached, budget)
