@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
@@ -41,7 +41,6 @@ class _RequestState:
     queue: asyncio.Queue
     choices: list[_Choice]
     metrics: RequestMetrics
-    token_times: list[float] = field(default_factory=list)
 
 
 class RequestStream:
@@ -240,6 +239,7 @@ class AsyncEngine:
                 metrics.cached_tokens = out.num_cached_tokens
             choice.num_tokens += 1
             metrics.completion_tokens += 1
+            metrics.token_times.append(now)
             text = choice.detok.add([out.token_id])
             reason = out.finish_reason
             if choice.detok.stopped:

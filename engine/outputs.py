@@ -56,12 +56,21 @@ class RequestMetrics:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
 
     @property
     def ttft_s(self) -> float | None:
+        """Time to first token, seconds from arrival."""
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (None with fewer than two tokens)."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
 
 
 @dataclass(slots=True)

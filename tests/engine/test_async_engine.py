@@ -68,6 +68,10 @@ def test_concurrent_streams_match_generate(tiny_model_dir):
         assert reasons[0] == "length"
         assert last.finished and last.metrics.completion_tokens == 10
         assert last.metrics.ttft_s is not None and last.metrics.ttft_s >= 0
+        assert len(last.metrics.token_times) == 10
+        assert last.metrics.token_times == sorted(last.metrics.token_times)
+        assert last.metrics.token_times[0] == last.metrics.first_token_time
+        assert last.metrics.tpot_s is not None and last.metrics.tpot_s >= 0
 
 
 def test_stop_string_ends_choice_and_frees(tiny_model_dir):
