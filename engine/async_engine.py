@@ -83,7 +83,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._running = False
         self._accepting = False
-        self._num_running = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -112,10 +111,13 @@ class AsyncEngine:
         if request.request_id in self._streams:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
         self.core.validate(request)
-        waiting = len(self._streams) - self._num_running
+        # Requests beyond the running capacity (max_num_seqs) count as waiting. Deciding from the
+        # loop thread's own bookkeeping keeps the limit exact: the step thread's view lags a step.
+        waiting = len(self._streams) - self.core.config.max_num_seqs
         if waiting >= self.max_queue:
             raise EngineOverloadedError(
-                f"{waiting} requests are already waiting (server.max_queue = {self.max_queue}); retry shortly")
+                f"{waiting} requests are already waiting beyond the {self.core.config.max_num_seqs} running "
+                f"(server.max_queue = {self.max_queue}); retry shortly")
         params = request.params
         q: asyncio.Queue = asyncio.Queue()
         choices = [_Choice(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop))
@@ -204,7 +206,6 @@ class AsyncEngine:
                     self.core.abort_request(request_id)
                     self._post(self._fail, request_id, exc)
                 continue
-            self._num_running = len(self.core.scheduler.running)
             if outputs:
                 self._post(self._dispatch, outputs)
         self._drain()  # aborts sent by shutdown free their blocks before the thread exits

@@ -89,7 +89,10 @@ def test_stop_string_ends_choice_and_frees(tiny_model_dir):
         try:
             out = await collect(engine, GenerateRequest(
                 "stop", ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop])))
-            await asyncio.sleep(0.2)
+            for _ in range(200):  # the stop reaches the step thread as a command: poll briefly
+                if engine.stats()["blocks_in_use"] == 0:
+                    break
+                await asyncio.sleep(0.02)
             assert engine.stats()["blocks_in_use"] == 0
             return out
         finally:
@@ -133,9 +136,8 @@ def test_errors_before_allocation_and_after_shutdown(tiny_model_dir):
             with pytest.raises(InvalidRequestError):
                 engine.add_request(GenerateRequest("empty", [], SamplingParams()))
             long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-            engine.add_request(GenerateRequest("a", [1, 2, 3], long))
-            await asyncio.sleep(0.3)  # "a" is running now
-            engine.add_request(GenerateRequest("b", [1, 2, 3], long))
+            engine.add_request(GenerateRequest("a", [1, 2, 3], long))  # runs (max_num_seqs = 1)
+            engine.add_request(GenerateRequest("b", [1, 2, 3], long))  # waits (max_queue = 1)
             with pytest.raises(EngineOverloadedError):
                 engine.add_request(GenerateRequest("c", [1, 2, 3], long))
             with pytest.raises(InvalidRequestError):
