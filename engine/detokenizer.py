@@ -79,13 +79,19 @@ class IncrementalDetokenizer:
         return delta
 
     def _release(self, delta: str, final: bool) -> str:
-        """Cut at the first stop string, or hold back a suffix that may still become one."""
+        """Cut at the stop string that completes first, or hold back a suffix that may become one.
+
+        "Completes first" (smallest end, then smallest start) is what character-by-character
+        generation would hit, so the result does not depend on how text arrives in deltas: with
+        stops ["a", " aa"], " aa" stops at " " because "a" is complete before " aa" is.
+        """
         if not self._stop:
             self.text += delta
             return delta
         buf = self._pending + delta
-        cut = min((i for s in self._stop if (i := buf.find(s)) >= 0), default=-1)
-        if cut >= 0:
+        matches = [(i + len(s), i) for s in self._stop if (i := buf.find(s)) >= 0]
+        if matches:
+            cut = min(matches)[1]
             out, self._pending, self.stopped = buf[:cut], "", True
         else:
             keep = 0 if final else self._partial_stop_len(buf)

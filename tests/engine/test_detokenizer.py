@@ -85,7 +85,7 @@ def test_random_ids_stream_to_full_decode(name: str, data: st.DataObject) -> Non
     assert det.text == expected and not det.stopped
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(
     text=st.text(alphabet="ab lo你🙂", max_size=30),
     stop=st.lists(st.text(alphabet="ab lo你🙂", min_size=1, max_size=3), max_size=3),
@@ -94,9 +94,10 @@ def test_random_ids_stream_to_full_decode(name: str, data: st.DataObject) -> Non
 def test_stop_strings_cut_before_the_first_match(text: str, stop: list[str], chunk: int) -> None:
     ids = BYTE_LEVEL.encode(text)
     full = BYTE_LEVEL.decode(ids, skip_special_tokens=True)
-    hits = [i for s in stop if (i := full.find(s)) >= 0]
+    # the stop string that completes first wins (then the earlier start), whatever the chunking
+    hits = [(i + len(s), i) for s in stop if (i := full.find(s)) >= 0]
     deltas, det = stream(BYTE_LEVEL, ids, stop, chunk)
-    assert "".join(deltas) == det.text == (full[:min(hits)] if hits else full)
+    assert "".join(deltas) == det.text == (full[:min(hits)[1]] if hits else full)
     assert det.stopped == bool(hits)
     assert not any(s in det.text for s in stop)
 
@@ -113,6 +114,12 @@ def test_stop_at_start_releases_nothing() -> None:
     out = [det.add([i]) for i in BYTE_LEVEL.encode("hello")]
     assert det.stopped and "".join(out) == "" and det.text == ""
     assert det.add(BYTE_LEVEL.encode(" more")) == "" and det.finish() == ""
+
+
+def test_stop_that_completes_first_wins_over_an_earlier_start() -> None:
+    for chunk in (1, 2, 3):
+        deltas, det = stream(BYTE_LEVEL, BYTE_LEVEL.encode(" aa"), ["a", " aa"], chunk)
+        assert det.stopped and det.text == " " and "".join(deltas) == " "
 
 
 def test_earliest_of_two_stop_strings_wins() -> None:
