@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from engine.model import LoadedModel, load_model
 from engine.tiny_model import build_tiny_model
+
+# CI must be reproducible: property tests use a fixed example sequence there (and no example
+# database); local runs keep exploring with fresh random examples.
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 def pytest_configure(config: pytest.Config) -> None:
