@@ -51,8 +51,7 @@ def create_app(settings: Settings, engine: AsyncEngine | None = None) -> FastAPI
 def _serve_engine(app: FastAPI, engine: AsyncEngine) -> None:
     if not engine.ready:
         engine.start()
-    fingerprint = getattr(engine, "fingerprint", None) or getattr(getattr(engine, "core", None), "fingerprint", "")
-    identity = f"{engine.model_name}:{fingerprint!r}"
+    identity = f"{engine.model_name}:{engine.fingerprint!r}"
     app.state.fingerprint = "fp_" + hashlib.sha256(identity.encode()).hexdigest()[:10]
     app.state.engine = engine
     logger.info("engine ready model=%s max_model_len=%d", engine.model_name, engine.max_model_len)
