@@ -37,7 +37,6 @@ class _Choice:
 
 @dataclass(slots=True)
 class _RequestState:
-    request: GenerateRequest
     queue: asyncio.Queue
     choices: list[_Choice]
     metrics: RequestMetrics
@@ -123,7 +122,7 @@ class AsyncEngine:
         choices = [_Choice(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop))
                    for _ in range(params.n)]
         metrics = RequestMetrics(prompt_tokens=len(request.prompt_token_ids), arrival_time=time.monotonic())
-        self._streams[request.request_id] = _RequestState(request, q, choices, metrics)
+        self._streams[request.request_id] = _RequestState(q, choices, metrics)
         self._send(("add", request))
         return RequestStream(request.request_id, q)
 
@@ -237,6 +236,7 @@ class AsyncEngine:
             metrics = state.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
+            if out.index == 0 and choice.num_tokens == 0:  # siblings hit choice 0's prompt blocks
                 metrics.cached_tokens = out.num_cached_tokens
             choice.num_tokens += 1
             metrics.completion_tokens += 1

@@ -27,14 +27,16 @@ ATTN_IMPLEMENTATION = "kvgate_paged"
 
 @dataclass(slots=True)
 class PrefillSpan:
-    """A multi-token chunk: flat token range [start, end) at positions [ctx_len - q_len, ctx_len)."""
+    """A multi-token chunk: flat token range [start, end) at positions [ctx_len - q_len, ctx_len).
+
+    ``mask`` is None for a chunk with no cached prefix: it attends causally to its own fresh K/V.
+    """
 
     start: int
     end: int
     ctx_len: int
     block_ids: torch.Tensor
     mask: torch.Tensor | None
-    fresh: bool
 
 
 @dataclass(slots=True)
@@ -88,7 +90,7 @@ def paged_attention_forward(
         out[:nd] = o.squeeze(2)
     for span in meta.prefills:
         q = query[:, :, span.start : span.end]
-        if span.fresh:
+        if span.mask is None:
             k = key[:, :, span.start : span.end]
             v = value[:, :, span.start : span.end]
         else:

@@ -79,8 +79,8 @@ class EngineCore:
         self.storage = KVStorage(
             config.num_blocks, self.loaded.num_layers, config.block_size, self.loaded.num_kv_heads,
             self.loaded.head_dim, dtype=self.loaded.dtype, device=self.loaded.device)
-        kv_shape = (self.loaded.num_layers, self.loaded.num_kv_heads, self.loaded.head_dim)
-        self.fingerprint = model_fingerprint(self.loaded.model, config.dtype, config.block_size, kv_shape)
+        self.fingerprint = model_fingerprint(self.loaded.model, config.dtype, config.block_size,
+                                             self.loaded.kv_shape)
         self.manager = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.loaded.model, self.storage)
@@ -94,7 +94,11 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------
     def validate(self, request: GenerateRequest) -> None:
-        """Raise a typed error for bad input before anything is allocated."""
+        """Raise a typed error for bad input before anything is allocated.
+
+        Reads only the request and fixed limits, so the event loop may call it while the step
+        thread runs; duplicate request ids are checked by whoever owns the id space.
+        """
         params = request.params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be SamplingParams", param="params")
@@ -123,12 +127,12 @@ class EngineCore:
                 f"request needs {needed} KV blocks of {self.block_size} tokens but the pool has "
                 f"{self.config.num_blocks}; reduce max_tokens or raise cache.device.num_blocks",
                 param="max_tokens")
-        if request.request_id in self._requests:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
 
     def add_request(self, request: GenerateRequest) -> list[Sequence]:
         """Validate and queue a request as ``params.n`` sequences; returns them."""
         self.validate(request)
+        if request.request_id in self._requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
         params = request.params
         t0 = time.perf_counter()
         root = root_hash(request.namespace_salt, self.fingerprint, request.cache_salt)
@@ -183,9 +187,6 @@ class EngineCore:
     @property
     def num_requests(self) -> int:
         return len(self._requests)
-
-    def sequences(self, request_id: str) -> list[Sequence]:
-        return self._requests.get(request_id, [])
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:

@@ -103,7 +103,7 @@ class ModelRunner:
                 mask = (torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None])[None, None]
             meta.prefills.append(PrefillSpan(
                 start=offset, end=offset + n, ctx_len=ctx,
-                block_ids=torch.tensor(list(table), device=dev), mask=mask, fresh=start == 0))
+                block_ids=torch.tensor(list(table), device=dev), mask=mask))
         input_ids = torch.tensor([flat_tokens], device=dev)
         positions_t = torch.tensor([flat_pos], device=dev)
         return meta, input_ids, positions_t, last_index
