@@ -13,7 +13,7 @@ from fastapi import Depends, Request
 from app.errors import AuthenticationError
 from app.settings import Settings
 from engine.async_engine import AsyncEngine
-from engine.errors import EngineNotReadyError
+from engine.errors import EngineDeadError, EngineNotReadyError
 from tenants.registry import Tenant, TenantRegistry
 
 
@@ -67,6 +67,8 @@ def get_engine(request: Request) -> AsyncEngine:
             raise EngineNotReadyError("The model failed to load.")
         raise EngineNotReadyError("The model is still loading; retry shortly.")
     if not engine.ready:
+        if engine.status == "restarting":
+            raise EngineDeadError("The engine process stopped and is restarting; retry shortly.")
         raise EngineNotReadyError("The engine is not ready.")
     return engine
 

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.protocol import ErrorDetail, ErrorResponse
-from engine.errors import EngineError, EngineOverloadedError
+from engine.errors import EngineDeadError, EngineError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,8 @@ def engine_error_response(exc: EngineError) -> JSONResponse:
     headers = None
     if isinstance(exc, EngineOverloadedError):
         headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+    elif isinstance(exc, EngineDeadError):
+        headers = {"Retry-After": "5"}  # an engine restart takes seconds
     return error_response(exc.status_code, exc.message, exc.error_type, exc.param, exc.code, headers)
 
 

@@ -1,7 +1,8 @@
 """The app factory and its lifespan: load the engine off the event loop, drain on shutdown.
 
 `/health` answers as soon as the process serves HTTP; `/ready` (and every `/v1/*` call) turns to
-200 once the model is loaded and the engine's step thread runs, and back to 503 while draining.
+200 once the model is loaded in the engine process, and to 503 while draining or while a crashed
+engine process restarts (see `engine.async_engine`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from fastapi import FastAPI
 
 from app import routes_admin, routes_openai
 from app.errors import BodySizeLimitMiddleware, install_exception_handlers
-from app.logging import AccessLogMiddleware, RequestCounters
+from app.logging import AccessLogMiddleware, RequestCounters, configure_logging
 from app.settings import Settings
 from engine.async_engine import AsyncEngine
 
@@ -62,9 +63,13 @@ async def _load_engine(app: FastAPI) -> None:
     config = settings.engine_config()
     logger.info("loading model=%s dtype=%s", config.model, config.dtype)
     try:
-        engine = await asyncio.to_thread(AsyncEngine.from_config, config)
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+        engine = await asyncio.to_thread(AsyncEngine.from_config, config, process=True,
+                                         initializer=configure_logging, initargs=(level,))
         if app.state.draining:
+            await engine.shutdown(timeout_s=0)
             return
+        engine.on_fatal = app.state.on_fatal
         _serve_engine(app, engine)
     except Exception as exc:
         app.state.load_error = exc

@@ -32,7 +32,7 @@ async def ready(request: Request) -> JSONResponse:
     elif engine is None:
         status = "failed" if state.load_error is not None else "loading"
     elif not engine.ready:
-        status = "not_ready"
+        status = engine.status if engine.status in ("restarting", "failed") else "not_ready"
     else:
         return JSONResponse({"status": "ready", "model": engine.model_name})
     return JSONResponse({"status": status}, status_code=503)
@@ -42,7 +42,7 @@ async def ready(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> dict[str, Any]:
     """The engine's stats (blocks, queue, prefix cache) at the top level, plus request counters."""
     state = request.app.state
-    stats: dict[str, Any] = dict(state.engine.stats()) if state.engine is not None else {}
+    stats: dict[str, Any] = await state.engine.stats() if state.engine is not None else {}
     stats["model"] = state.engine.model_name if state.engine is not None else None
     stats["ready"] = bool(state.engine is not None and state.engine.ready and not state.draining)
     stats["requests"] = state.counters.snapshot()

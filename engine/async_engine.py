@@ -1,31 +1,39 @@
-"""AsyncEngine: EngineCore's step loop on a background thread, token streams out via asyncio.
+"""AsyncEngine: the serving side of the engine — request streams, detokenization, stop strings.
 
-    event loop thread                          step thread
-    add_request ─ validate ─▶ commands ───────▶ drain → core.step() → outputs
-    RequestStream ◀─ detokenize, stop strings ◀── call_soon_threadsafe(dispatch)
+    event loop (API process)                     engine backend (process or thread)
+    add_request ─ validate ─▶ send("add") ──────▶ EngineLoop: commands → core.step() → outputs
+    RequestStream ◀─ detokenize, stop strings ◀── on_event("out") hopped onto the event loop
 
 The HTTP layer only sees this class: ``add_request`` raises typed errors before anything is
-allocated, the returned stream yields ``RequestOutput`` deltas, ``abort`` frees blocks at once.
+sent, the returned stream yields ``RequestOutput`` deltas, ``abort`` frees blocks at once. The
+backend (see `engine.backends`) loads the model and steps it on one thread of its own; serving
+uses an engine process, tests and benchmarks may use a thread. If the engine process dies, every
+request in flight fails with a 503, the engine is restarted (``max_restarts`` within
+``RESTART_WINDOW_S``), and past that the ``on_fatal`` callback is told.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import queue
-import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.backends import ProcessBackend, ThreadBackend
 from engine.config import EngineConfig
-from engine.core import EngineCore, SeqOutput
+from engine.core import SeqOutput
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import EngineNotReadyError, EngineOverloadedError, InvalidRequestError
+from engine.errors import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
+from engine.loop import EngineInfo, FailInfo
 from engine.outputs import CompletionDelta, GenerateRequest, RequestMetrics, RequestOutput, TokenLogprob
 
 logger = logging.getLogger(__name__)
+
+RESTART_WINDOW_S = 300.0
+STATS_TIMEOUT_S = 10.0
 
 
 @dataclass(slots=True)
@@ -66,56 +74,97 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Serves many concurrent requests from one EngineCore stepping on its own thread."""
+    """Serves many concurrent requests from one engine backend."""
 
-    def __init__(self, core: EngineCore, max_queue: int = 256) -> None:
-        self.core = core
+    def __init__(self, backend: ThreadBackend | ProcessBackend, max_queue: int = 256, max_restarts: int = 3) -> None:
+        self.backend = backend
         self.max_queue = max_queue
-        self.tokenizer = core.loaded.tokenizer
-        self.model_name = core.config.served_model_name or core.loaded.name
-        self.max_model_len = core.max_model_len
-        self.fingerprint: bytes = core.fingerprint
-        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self.max_restarts = max_restarts
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.info: EngineInfo | None = None
+        self.tokenizer: Any = None
+        self.restarts: list[float] = []
         self._streams: dict[str, _RequestState] = {}
+        self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._stats_tokens = itertools.count()
+        self._last_stats: dict[str, Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._running = False
         self._accepting = False
+        self._alive = False
+        self._restart_task: asyncio.Task[None] | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        """Load the model and build the engine (blocking: seconds to minutes)."""
-        return cls(EngineCore(config), max_queue=config.max_queue)
+    def from_config(cls, config: EngineConfig, process: bool = False,
+                    initializer: Callable[..., None] | None = None, initargs: tuple[Any, ...] = ()) -> AsyncEngine:
+        """Load the model and build the engine (blocking: seconds to minutes).
+
+        ``process=True`` runs the engine in its own process (what `kvgate serve` does), with
+        ``initializer(*initargs)`` called there first (e.g. to configure logging).
+        """
+        backend = ProcessBackend(config, initializer, initargs) if process else ThreadBackend(config)
+        engine = cls(backend, max_queue=config.max_queue)
+        engine.load()
+        return engine
+
+    def load(self) -> None:
+        """Start the backend and wait until its model is loaded (blocking)."""
+        self.info = self.backend.start(self._on_event)
+        self.tokenizer = self.backend.tokenizer
+        self._alive = True
+
+    # ---- what the HTTP layer reads ------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self._info.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._info.limits.max_model_len
+
+    @property
+    def fingerprint(self) -> bytes:
+        return self._info.fingerprint
+
+    @property
+    def _info(self) -> EngineInfo:
+        assert self.info is not None, "AsyncEngine.load() has not run"
+        return self.info
 
     @property
     def ready(self) -> bool:
-        return self._running and self._accepting
+        return self._running and self._accepting and self._alive
+
+    @property
+    def status(self) -> str:
+        """ready | restarting | failed | stopped, for /ready."""
+        if self._alive:
+            return "ready" if self._running and self._accepting else "stopped"
+        return "restarting" if self._restart_task is not None and not self._restart_task.done() else "failed"
 
     def start(self) -> None:
-        """Start the step thread; call from the event loop that will consume the streams."""
-        if self._running:
-            return
+        """Begin serving; call from the event loop that will consume the streams."""
         self._loop = asyncio.get_running_loop()
         self._running = True
         self._accepting = True
-        self._thread = threading.Thread(target=self._run, name="kvgate-step", daemon=True)
-        self._thread.start()
 
     # ---- requests (event loop thread) -------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> RequestStream:
-        """Validate and enqueue a request; raises a typed error before anything is allocated."""
+        """Validate and enqueue a request; raises a typed error before anything is sent."""
         if not self.ready:
+            if self._running and self._accepting and not self._alive:
+                raise EngineDeadError("the engine process stopped and is restarting; retry shortly")
             raise EngineNotReadyError("the engine is not accepting requests (starting or shutting down)")
         if request.request_id in self._streams:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
-        self.core.validate(request)
+        info = self._info
+        info.limits.validate(request)
         # Requests beyond the running capacity (max_num_seqs) count as waiting. Deciding from the
-        # loop thread's own bookkeeping keeps the limit exact: the step thread's view lags a step.
-        waiting = len(self._streams) - self.core.config.max_num_seqs
+        # loop thread's own bookkeeping keeps the limit exact: the engine's view lags a step.
+        waiting = len(self._streams) - info.max_num_seqs
         if waiting >= self.max_queue:
             raise EngineOverloadedError(
-                f"{waiting} requests are already waiting beyond the {self.core.config.max_num_seqs} running "
+                f"{waiting} requests are already waiting beyond the {info.max_num_seqs} running "
                 f"(server.max_queue = {self.max_queue}); retry shortly")
         params = request.params
         q: asyncio.Queue = asyncio.Queue()
@@ -123,7 +172,7 @@ class AsyncEngine:
                    for _ in range(params.n)]
         metrics = RequestMetrics(prompt_tokens=len(request.prompt_token_ids), arrival_time=time.monotonic())
         self._streams[request.request_id] = _RequestState(q, choices, metrics)
-        self._send(("add", request))
+        self.backend.send(("add", request))
         return RequestStream(request.request_id, q)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
@@ -140,16 +189,33 @@ class AsyncEngine:
         state = self._streams.pop(request_id, None)
         if state is None:
             return
-        self._send(("abort", request_id))
+        self.backend.send(("abort", request_id))
         deltas = [CompletionDelta(i, [], "", None, "abort")
                   for i, c in enumerate(state.choices) if not c.finished]
         state.metrics.finished_time = time.monotonic()
         state.queue.put_nowait(RequestOutput(request_id, deltas, state.metrics, finished=True))
 
-    def stats(self) -> dict[str, Any]:
-        """Queue, pool and cache figures (see ``EngineCore.stats``) plus in-flight streams."""
-        snapshot = self.core.stats()
+    async def stats(self) -> dict[str, Any]:
+        """Queue, pool and cache figures from the engine (see ``EngineCore.stats``), plus streams.
+
+        While the engine is unavailable (restarting, stopped) the last snapshot is returned.
+        """
+        snapshot = dict(self._last_stats)
+        if self._alive and self._loop is not None:
+            token = next(self._stats_tokens)
+            future: asyncio.Future[dict[str, Any]] = self._loop.create_future()
+            self._stats_waiters[token] = future
+            self.backend.send(("stats", token))
+            try:
+                snapshot = await asyncio.wait_for(future, STATS_TIMEOUT_S)
+                self._last_stats = dict(snapshot)
+            except (asyncio.TimeoutError, EngineDeadError):
+                pass
+            finally:
+                self._stats_waiters.pop(token, None)
         snapshot["num_streams"] = len(self._streams)
+        snapshot["engine"] = {"mode": self.backend.kind, "status": self.status, "restarts": len(self.restarts),
+                              "pid": self.info.pid if self.info is not None else None}
         return snapshot
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -160,69 +226,84 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         for request_id in list(self._streams):
             self.abort(request_id)
-        self._running = False
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
-            self._thread = None
+        if self._restart_task is not None and not self._restart_task.done():
+            self._restart_task.cancel()
+        if self._alive:
+            await self.stats()  # the final snapshot, after the aborts above, stays readable
+        if self._running or self._alive:
+            self._running = False
+            self._alive = False
+            await asyncio.to_thread(self.backend.close, 30.0)
 
-    # ---- step thread ------------------------------------------------------------------------
-    def _send(self, command: tuple[Any, ...]) -> None:
-        self._commands.put(command)
-        self._wake.set()
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            kind = command[0]
-            try:
-                if kind == "add":
-                    self.core.add_request(command[1])
-                elif kind == "abort":
-                    self.core.abort_request(command[1])
-                elif kind == "stop_choice":
-                    self.core.abort_sequence(command[1], command[2], "stop")
-            except Exception as exc:  # a request that fails here must not take the loop down
-                logger.exception("engine command %s failed", kind)
-                if kind == "add":
-                    self._post(self._fail, command[1].request_id, exc)
-
-    def _run(self) -> None:
-        while self._running:
-            self._drain()
-            if not self.core.has_work():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.core.step()
-            except Exception as exc:
-                logger.exception("engine step failed; aborting the requests in flight")
-                for request_id in list(self.core._requests):
-                    self.core.abort_request(request_id)
-                    self._post(self._fail, request_id, exc)
-                continue
-            if outputs:
-                self._post(self._dispatch, outputs)
-        self._drain()  # aborts sent by shutdown free their blocks before the thread exits
-
-    def _post(self, fn: Any, *args: Any) -> None:
+    # ---- events from the backend (any thread) -------------------------------------------------
+    def _on_event(self, event: tuple[Any, ...]) -> None:
         loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(fn, *args)
-            except RuntimeError:  # loop closed between the check and the call
-                pass
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._handle_event, event)
+        except RuntimeError:  # loop closed between the check and the call
+            pass
 
-    # ---- event loop side ----------------------------------------------------------------------
+    def _handle_event(self, event: tuple[Any, ...]) -> None:
+        kind = event[0]
+        if kind == "out":
+            self._dispatch(event[1])
+        elif kind == "fail":
+            self._fail(event[1], event[2].error() if isinstance(event[2], FailInfo) else event[2])
+        elif kind == "stats":
+            future = self._stats_waiters.pop(event[1], None)
+            if future is not None and not future.done():
+                future.set_result(event[2])
+        elif kind == "dead":
+            self._on_dead(event[1])
+
     def _fail(self, request_id: str, exc: BaseException) -> None:
         state = self._streams.pop(request_id, None)
         if state is not None:
             state.queue.put_nowait(exc)
 
+    def _on_dead(self, reason: str) -> None:
+        if not self._alive:
+            return
+        self._alive = False
+        logger.error("engine process stopped unexpectedly (%s); failing %d requests in flight",
+                     reason, len(self._streams))
+        error = EngineDeadError(f"the engine process stopped unexpectedly ({reason}); retry shortly")
+        for request_id in list(self._streams):
+            self._fail(request_id, error)
+        for future in self._stats_waiters.values():
+            if not future.done():
+                future.set_exception(error)
+        self._stats_waiters.clear()
+        if self._running and self._accepting:
+            self._restart_task = asyncio.ensure_future(self._restart(reason))
+
+    async def _restart(self, reason: str) -> None:
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(self.restarts) > self.max_restarts:
+            self._fatal(EngineDeadError(
+                f"the engine process stopped {len(self.restarts)} times in {RESTART_WINDOW_S:.0f} s "
+                f"(last: {reason}); giving up"))
+            return
+        logger.warning("restarting the engine process (restart %d of at most %d per %.0f s)",
+                       len(self.restarts), self.max_restarts, RESTART_WINDOW_S)
+        try:
+            await asyncio.to_thread(self.backend.close, 5.0)
+            await asyncio.to_thread(self.load)
+        except Exception as exc:
+            logger.exception("the engine failed to restart")
+            self._fatal(exc)
+            return
+        logger.info("engine restarted pid=%s", self._info.pid)
+
+    def _fatal(self, exc: BaseException) -> None:
+        logger.error("%s", exc)
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
+
+    # ---- outputs ----------------------------------------------------------------------------
     def _dispatch(self, outputs: list[SeqOutput]) -> None:
         now = time.monotonic()
         by_request: dict[str, list[CompletionDelta]] = {}
@@ -245,7 +326,7 @@ class AsyncEngine:
             reason = out.finish_reason
             if choice.detok.stopped:
                 if reason is None:
-                    self._send(("stop_choice", out.request_id, out.index))
+                    self.backend.send(("stop_choice", out.request_id, out.index))
                 reason = "stop"
             elif reason is not None:
                 text += choice.detok.finish()

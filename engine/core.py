@@ -7,6 +7,8 @@ drive it directly and ``AsyncEngine`` calls it from its background thread.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -16,12 +18,12 @@ from cache.hashing import root_hash
 from cache.kv_storage import KVStorage
 from cache.manager import KVCacheManager
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.errors import InvalidRequestError
+from engine.limits import RequestLimits
 from engine.model import LoadedModel, load_model, model_fingerprint
 from engine.outputs import GenerateRequest, TokenLogprob
 from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingRow, make_generator
-from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
 
@@ -76,6 +78,7 @@ class EngineCore:
             self.max_model_len = int(window)
         self.vocab_size = int(hf_config.vocab_size)
         self.block_size = config.block_size
+        self.limits = RequestLimits(self.vocab_size, self.max_model_len, config.block_size, config.num_blocks)
         self.storage = KVStorage(
             config.num_blocks, self.loaded.num_layers, config.block_size, self.loaded.num_kv_heads,
             self.loaded.head_dim, dtype=self.loaded.dtype, device=self.loaded.device)
@@ -87,6 +90,10 @@ class EngineCore:
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.counters = EngineCounters()
+        # Every torch op of the engine runs on the thread that loaded the model (one OpenMP
+        # pool per process); step() asserts it and stats() reports both for tests.
+        self.owner_thread = threading.get_ident()
+        self.step_thread: int | None = None
         self._requests: dict[str, list[Sequence]] = {}
         self._rows: dict[str, SamplingRow] = {}
         logger.info("engine ready", extra={"model": self.loaded.name, "kv_pool_mb": self.storage.nbytes >> 20,
@@ -94,39 +101,8 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------
     def validate(self, request: GenerateRequest) -> None:
-        """Raise a typed error for bad input before anything is allocated.
-
-        Reads only the request and fixed limits, so the event loop may call it while the step
-        thread runs; duplicate request ids are checked by whoever owns the id space.
-        """
-        params = request.params
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params must be SamplingParams", param="params")
-        ids = request.prompt_token_ids
-        if not ids:
-            raise InvalidRequestError("prompt is empty: send at least one token", param="prompt")
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(
-                    f"prompt token id {t!r} is out of range: ids must be integers in [0, {self.vocab_size})",
-                    param="prompt")
-        for t in params.stop_token_ids:
-            if t >= self.vocab_size:
-                raise InvalidRequestError(
-                    f"stop_token_ids entry {t} is out of range [0, {self.vocab_size})", param="stop_token_ids")
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise PromptTooLongError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{total} tokens ({len(ids)} in the prompt, {params.max_tokens} for the completion). "
-                "Please reduce the prompt or max_tokens.", param="max_tokens" if len(ids) < self.max_model_len
-                else "prompt")
-        needed = -(-total // self.block_size)
-        if needed > self.config.num_blocks:
-            raise InvalidRequestError(
-                f"request needs {needed} KV blocks of {self.block_size} tokens but the pool has "
-                f"{self.config.num_blocks}; reduce max_tokens or raise cache.device.num_blocks",
-                param="max_tokens")
+        """Raise a typed error for bad input before anything is allocated (see `RequestLimits`)."""
+        self.limits.validate(request)
 
     def add_request(self, request: GenerateRequest) -> list[Sequence]:
         """Validate and queue a request as ``params.n`` sequences; returns them."""
@@ -181,6 +157,10 @@ class EngineCore:
             del self._requests[request_id]
             self.counters.requests_finished += 1
 
+    def request_ids(self) -> list[str]:
+        """Ids of the requests with unfinished choices."""
+        return list(self._requests)
+
     def has_work(self) -> bool:
         return len(self.scheduler) > 0
 
@@ -192,6 +172,8 @@ class EngineCore:
     def step(self) -> list[SeqOutput]:
         """Schedule, run one forward pass, sample, and return the new tokens."""
         t_step = time.perf_counter()
+        self.step_thread = threading.get_ident()
+        assert self.step_thread == self.owner_thread, "EngineCore.step() must run on the thread that built it"
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
@@ -273,4 +255,6 @@ class EngineCore:
             "forward_time_s": c.forward_time_s,
             "sample_time_s": c.sample_time_s,
             "hash_time_s": c.hash_time_s,
+            "engine_pid": os.getpid(),
+            "engine_threads": {"owner": self.owner_thread, "step": self.step_thread},
         }

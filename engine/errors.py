@@ -50,3 +50,7 @@ class EngineNotReadyError(EngineError):
 
     status_code = 503
     error_type = "service_unavailable"
+
+
+class EngineDeadError(EngineNotReadyError):
+    """The engine process died; requests in flight fail and new ones wait for a restart (HTTP 503)."""

@@ -110,6 +110,13 @@ def load_model(model: str, dtype: str = "float32", device: str = "auto") -> Load
     )
 
 
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a resolved model folder (what the API process needs to detokenize)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 def model_fingerprint(model: Any, dtype: str | torch.dtype, block_size: int,
                       kv_shape: tuple[int, int, int]) -> bytes:
     """32-byte blake2b of config, a cheap weights identity, dtype, block size and KV shape.

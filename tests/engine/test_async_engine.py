@@ -53,7 +53,7 @@ def test_concurrent_streams_match_generate(tiny_model_dir):
                 collect(engine, GenerateRequest(f"s{i}", p, SamplingParams(max_tokens=10, temperature=0,
                                                                               ignore_eos=True)))
                 for i, p in enumerate(prompts)])
-            assert engine.stats()["blocks_in_use"] == 0
+            assert (await engine.stats())["blocks_in_use"] == 0
             return results
         finally:
             await engine.shutdown()
@@ -90,10 +90,10 @@ def test_stop_string_ends_choice_and_frees(tiny_model_dir):
             out = await collect(engine, GenerateRequest(
                 "stop", ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop])))
             for _ in range(200):  # the stop reaches the step thread as a command: poll briefly
-                if engine.stats()["blocks_in_use"] == 0:
+                if (await engine.stats())["blocks_in_use"] == 0:
                     break
                 await asyncio.sleep(0.02)
-            assert engine.stats()["blocks_in_use"] == 0
+            assert (await engine.stats())["blocks_in_use"] == 0
             return out
         finally:
             await engine.shutdown()
@@ -114,15 +114,15 @@ def test_abort_mid_stream_frees_blocks(tiny_model_dir):
                 got += len(out.outputs[0].token_ids)
                 if got >= 3:
                     break
-            assert engine.stats()["blocks_in_use"] > 0
+            assert (await engine.stats())["blocks_in_use"] > 0
             engine.abort("long")
             engine.abort("long")  # idempotent
             for _ in range(100):
-                if engine.stats()["blocks_in_use"] == 0:
+                if (await engine.stats())["blocks_in_use"] == 0:
                     break
                 await asyncio.sleep(0.02)
-            assert engine.stats()["blocks_in_use"] == 0
-            assert engine.stats()["num_streams"] == 0
+            assert (await engine.stats())["blocks_in_use"] == 0
+            assert (await engine.stats())["num_streams"] == 0
         finally:
             await engine.shutdown()
 
@@ -147,6 +147,44 @@ def test_errors_before_allocation_and_after_shutdown(tiny_model_dir):
         assert not engine.ready
         with pytest.raises(EngineNotReadyError):
             engine.add_request(GenerateRequest("late", [1, 2, 3], SamplingParams()))
-        assert engine.stats()["blocks_in_use"] == 0
+        assert (await engine.stats())["blocks_in_use"] == 0
 
     run(main())
+
+
+def test_the_model_loads_and_steps_on_one_thread_not_the_callers(tiny_model_dir):
+    """One OpenMP pool per process: the thread that built the core is the only one stepping it."""
+    import threading
+
+    async def main():
+        engine = await started(tiny_model_dir)
+        try:
+            await collect(engine, GenerateRequest("t", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)))
+            threads = (await engine.stats())["engine_threads"]
+        finally:
+            await engine.shutdown()
+        assert threads["step"] == threads["owner"] != threading.get_ident()
+
+    run(main())
+
+
+def test_stepping_from_another_thread_is_refused(tiny_model_dir):
+    import threading
+
+    from engine.core import EngineCore
+
+    core = EngineCore(EngineConfig(model=str(tiny_model_dir), block_size=4, num_blocks=16))
+    core.add_request(GenerateRequest("x", [1, 2, 3], SamplingParams(max_tokens=1)))
+    errors: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            core.step()
+        except AssertionError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    thread.join()
+    assert errors and "thread that built it" in str(errors[0])
+    assert core.step()  # the owner thread steps fine

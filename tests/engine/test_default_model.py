@@ -7,7 +7,6 @@ Set KVGATE_CACHE_DIR to reuse a converted model across runs; otherwise this down
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,7 +51,5 @@ def test_default_model_converts_once_and_generates(kvgate_cache: Path) -> None:
     assert "Paris" in text
     assert len(tokenizer("2024").input_ids) == 4  # SmolLM2 splits digits, like the original
 
-    start = time.perf_counter()
-    assert ensure_default_model(kvgate_cache) == path
-    assert time.perf_counter() - start < 1.0
+    assert ensure_default_model(kvgate_cache) == path  # a second call converts nothing
     assert (path / "config.json").stat().st_mtime_ns == mtime

@@ -1,0 +1,134 @@
+"""The step loop: commands in, step outputs out, on the one thread that built the EngineCore.
+
+Both engine backends run this loop: `ThreadBackend` on a thread of the API process (tests,
+benchmarks), `ProcessBackend` on the main thread of the engine process (serving). Loading the
+model and stepping it on one thread is what keeps one OpenMP pool in the process (two pools on
+two cores throttle every parallel region; see docs/serving.md).
+
+Commands (tuples, first element the kind):
+    ("add", GenerateRequest)   ("abort", request_id)   ("stop_choice", request_id, index)
+    ("stats", token)           ("shutdown",)
+Events out, through the `emit` callable:
+    ("out", list[SeqOutput])   ("fail", request_id, FailInfo)   ("stats", token, dict)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.core import EngineCore
+from engine.errors import EngineError, InvalidRequestError
+from engine.limits import RequestLimits
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # how long an idle loop blocks waiting for a command before looking again
+
+Command = tuple[Any, ...]
+Emit = Callable[[tuple[Any, ...]], None]
+Receive = Callable[[float], list[Command]]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the serving side needs to know about a loaded engine; plain values, picklable."""
+
+    model_name: str
+    model_path: str
+    fingerprint: bytes
+    limits: RequestLimits
+    max_num_seqs: int
+    pid: int
+    thread_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class FailInfo:
+    """Why a request failed inside the engine, as plain values (exceptions do not pickle well)."""
+
+    message: str
+    invalid: bool = False
+    param: str | None = None
+    code: str | None = None
+
+    @classmethod
+    def of(cls, exc: BaseException) -> FailInfo:
+        if isinstance(exc, InvalidRequestError):
+            return cls(exc.message, True, exc.param, exc.code)
+        return cls(f"engine error: {type(exc).__name__}: {exc}")
+
+    def error(self) -> EngineError:
+        if self.invalid:
+            return InvalidRequestError(self.message, param=self.param, code=self.code)
+        return EngineError(self.message)
+
+
+def engine_info(core: EngineCore) -> EngineInfo:
+    return EngineInfo(
+        model_name=core.config.served_model_name or core.loaded.name, model_path=core.loaded.path,
+        fingerprint=core.fingerprint, limits=core.limits, max_num_seqs=core.config.max_num_seqs,
+        pid=os.getpid(), thread_id=threading.get_ident())
+
+
+class EngineLoop:
+    """Applies commands and steps the core until told to shut down (or its input ends)."""
+
+    def __init__(self, core: EngineCore, emit: Emit) -> None:
+        self.core = core
+        self.emit = emit
+
+    def run(self, receive: Receive) -> None:
+        """Loop until a ``shutdown`` command; ``receive(timeout)`` returns the pending commands."""
+        core = self.core
+        while True:
+            for command in receive(0.0 if core.has_work() else IDLE_WAIT_S):
+                if not self.handle(command):
+                    self._abort_all()
+                    return
+            if core.has_work():
+                self.step()
+
+    def handle(self, command: Command) -> bool:
+        """Apply one command; False means shut down."""
+        kind = command[0]
+        try:
+            if kind == "add":
+                self.core.add_request(command[1])
+            elif kind == "abort":
+                self.core.abort_request(command[1])
+            elif kind == "stop_choice":
+                self.core.abort_sequence(command[1], command[2], "stop")
+            elif kind == "stats":
+                self.emit(("stats", command[1], self.core.stats()))
+            elif kind == "shutdown":
+                return False
+            else:
+                logger.error("unknown engine command %r", kind)
+        except Exception as exc:  # a request that fails here must not take the loop down
+            logger.exception("engine command %s failed", kind)
+            if kind == "add":
+                self.emit(("fail", command[1].request_id, FailInfo.of(exc)))
+        return True
+
+    def step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except Exception as exc:
+            logger.exception("engine step failed; aborting the requests in flight")
+            info = FailInfo.of(exc)
+            for request_id in self._abort_all():
+                self.emit(("fail", request_id, info))
+            return
+        if outputs:
+            self.emit(("out", outputs))
+
+    def _abort_all(self) -> list[str]:
+        request_ids = list(self.core.request_ids())
+        for request_id in request_ids:
+            self.core.abort_request(request_id)
+        return request_ids
