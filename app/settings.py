@@ -57,6 +57,7 @@ class EngineSettings(_Section):
     max_num_batched_tokens: int = Field(default=2048, gt=0)
     num_threads: int | None = Field(default=None, gt=0)
     enable_prefix_caching: bool = True
+    pack_weights: bool = True
 
 
 class DeviceCacheSettings(_Section):
@@ -133,6 +134,7 @@ class Settings(_Section):
                 max_queue=self.server.max_queue,
                 enable_prefix_caching=self.engine.enable_prefix_caching,
                 num_threads=self.engine.num_threads,
+                pack_weights=self.engine.pack_weights,
             )
         except ValueError as exc:
             raise ConfigError(f"invalid engine configuration: {exc}") from exc

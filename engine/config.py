@@ -27,6 +27,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     served_model_name: str | None = None
     num_threads: int | None = None
+    pack_weights: bool = True  # CPU: oneDNN pre-packed linear layers (engine.packing)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

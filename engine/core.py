@@ -22,6 +22,7 @@ from engine.errors import InvalidRequestError
 from engine.limits import RequestLimits
 from engine.model import LoadedModel, load_model, model_fingerprint
 from engine.outputs import GenerateRequest, TokenLogprob
+from engine.packing import pack_model
 from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingRow, make_generator
 from engine.scheduler import ScheduledSeq, Scheduler
@@ -84,6 +85,8 @@ class EngineCore:
             self.loaded.head_dim, dtype=self.loaded.dtype, device=self.loaded.device)
         self.fingerprint = model_fingerprint(self.loaded.model, config.dtype, config.block_size,
                                              self.loaded.kv_shape)
+        if config.pack_weights:
+            pack_model(self.loaded.model, self.loaded.device, self.loaded.dtype)
         self.manager = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.loaded.model, self.storage)

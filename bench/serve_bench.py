@@ -1,0 +1,259 @@
+"""KVGate over HTTP against vLLM-CPU (and the in-process plain loop), side by side in one run.
+
+For each run (``--runs``, default 3) and each system, one after the other on the same machine:
+start a fresh server on a loopback port, wait for it to be ready, run the shared load client
+(``../shared/peers/load.py``: throughput at concurrency 1/4/16 and the 2k prefix-reuse TTFTs),
+stop the server. The plain ``model.generate`` loop is measured in process by
+``bench.engine_bench --systems plain`` in the same run. Prints one table of medians with ratios,
+writes the raw results as JSON and a PNG plot.
+
+    .venv/bin/python -m bench.serve_bench --vllm-python /path/to/vllm-venv/bin/python \\
+        --json-out docs/bench_serve.json --plot-out docs/bench_serve.png
+
+Without ``--vllm-python`` only KVGate (and the plain loop) run. See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ROOT.parent / "shared" / "peers"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.serve_bench", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Each system gets a fresh server per run; figures are medians over the runs. Run it on a "
+               "quiet machine: anything else on the cores skews every figure.")
+    p.add_argument("--runs", type=int, default=3, help="runs per system; the table shows medians (default 3)")
+    p.add_argument("--model", default="default",
+                   help="KVGate model: 'default' (SmolLM2-135M-Instruct), a folder or hub id (default: default)")
+    p.add_argument("--kvgate-args", default="", help="extra arguments for `kvgate serve`, one string")
+    p.add_argument("--vllm-python", type=Path, default=None,
+                   help="python of a venv with vllm-cpu installed (see ../shared/peers/README.md); "
+                        "omit to skip vLLM")
+    p.add_argument("--vllm-model-dir", type=Path, default=None,
+                   help="float32 model folder for vLLM (default: the folder `kvgate serve` converted, "
+                        "<KVGATE_CACHE_DIR>/models/SmolLM2-135M-Instruct)")
+    p.add_argument("--vllm-start-timeout", type=float, default=900.0,
+                   help="seconds to wait for vLLM to be ready (its first start compiles; default 900)")
+    p.add_argument("--no-plain", action="store_true", help="skip the in-process plain generate loop")
+    p.add_argument("--load-py", type=Path, default=PEERS / "load.py",
+                   help="the shared load client (default: ../shared/peers/load.py)")
+    p.add_argument("--load-args", default="", help="extra arguments for load.py, one string (e.g. '--conc 1,16')")
+    p.add_argument("--json-out", type=Path, default=None, help="write every run's raw results here")
+    p.add_argument("--plot-out", type=Path, default=None, help="write a PNG plot here (needs matplotlib)")
+    return p.parse_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def say(message: str) -> None:
+    print(f"[serve_bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, path: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = time.monotonic()
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url + path, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() - last > 30:
+            say(f"  still waiting for {url}{path} ...")
+            last = time.monotonic()
+        time.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout_s:.0f}s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_server(name: str, argv: list[str], env: dict[str, str], model_id: str | None, ready_path: str,
+               start_timeout: float, args: argparse.Namespace, port: int, log: Path) -> dict[str, Any]:
+    say(f"{name}: starting ({log})")
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(url, proc, start_timeout, ready_path)
+            if model_id is None:
+                with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
+                    model_id = json.load(response)["data"][0]["id"]
+            say(f"{name}: ready; running the load client")
+            assert model_id is not None
+            cmd = [sys.executable, str(args.load_py), "--base-url", url, "--model", model_id, "--label", name,
+                   *args.load_args.split()]
+            result = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            for line in result.stdout.splitlines():
+                if not line.startswith("JSON "):
+                    say(f"  {line}")
+            return json.loads(next(line for line in result.stdout.splitlines() if line.startswith("JSON "))[5:])
+        finally:
+            stop(proc)
+
+
+def run_plain(model: str) -> dict[str, Any]:
+    """The in-process plain generate loop, via bench.engine_bench (same prompt shapes)."""
+    say("plain loop: bench.engine_bench --systems plain")
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"serve_bench_plain_{os.getpid()}.json"
+    cmd = [sys.executable, "-m", "bench.engine_bench", "--model", model, "--systems", "plain", "--repeats", "1",
+           "--concurrency", "1", "--json-out", str(out)]  # the plain loop serves one request at a time
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    data = json.loads(out.read_text())
+    out.unlink()
+    return data
+
+
+def _plain_figures(data: dict[str, Any]) -> dict[str, float]:
+    plain = data.get("throughput", {}).get("plain", {})
+    out = {f"tok_s_c{level}": row["median_tok_s"] for level, row in plain.items()}
+    cold = data.get("ttft", {}).get("plain", {}).get("median_cold_s")
+    if cold is not None:
+        out["cold_s"] = cold
+    return out
+
+
+def figures(result: dict[str, Any]) -> dict[str, float]:
+    out = {f"tok_s_c{a['conc']}": a["tok_s"] for a in result["a"]}
+    out.update({f"ttft_p50_c{a['conc']}": a["ttft_p50_s"] for a in result["a"]})
+    b = result.get("b", {})
+    for key, name in (("cold", "cold_s"), ("suffix_changed", "cached_s"), ("exact_repeat", "repeat_s")):
+        if key in b:
+            out[name] = b[key]["ttft_median_s"]
+    return out
+
+
+def medians(rows: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for row in rows for k in row})
+    return {k: statistics.median(row[k] for row in rows if k in row) for k in keys}
+
+
+def table(results: dict[str, dict[str, float]]) -> str:
+    cols = [("tok_s_c1", "tok/s c=1"), ("tok_s_c4", "tok/s c=4"), ("tok_s_c16", "tok/s c=16"),
+            ("ttft_p50_c16", "TTFT p50 c=16 (s)"), ("cold_s", "2k cold (s)"), ("cached_s", "1,984 cached (s)"),
+            ("repeat_s", "exact repeat (s)")]
+    lines = ["| system | " + " | ".join(c[1] for c in cols) + " |", "|---|" + "---:|" * len(cols)]
+    for name, row in results.items():
+        cells = [f"{row[k]:.3g}" if k in row else "—" for k, _ in cols]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if "kvgate" in results and "vllm" in results:
+        kv, vl = results["kvgate"], results["vllm"]
+        cells = []
+        for k, _ in cols:
+            if k in kv and k in vl and vl[k] and kv[k]:
+                ratio = kv[k] / vl[k] if k.startswith("tok_s") else vl[k] / kv[k]
+                cells.append(f"{ratio:.2f}×")
+            else:
+                cells.append("—")
+        lines.append("| KVGate vs vLLM (>1 = KVGate better) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    levels = [1, 4, 16]
+    width = 0.8 / max(1, len(results))
+    for i, (name, row) in enumerate(results.items()):
+        xs = [j + i * width for j in range(len(levels))]
+        ax1.bar(xs, [row.get(f"tok_s_c{c}", 0) for c in levels], width, label=name)
+    ax1.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(levels))], [f"c={c}" for c in levels])
+    ax1.set_ylabel("output tok/s (higher is better)")
+    ax1.set_title("throughput over HTTP")
+    ax1.legend()
+    keys = [("cold_s", "cold"), ("cached_s", "1,984 cached"), ("repeat_s", "exact repeat")]
+    for i, (name, row) in enumerate(results.items()):
+        xs = [j + i * width for j in range(len(keys))]
+        ax2.bar(xs, [row.get(k, 0) for k, _ in keys], width, label=name)
+    ax2.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(keys))], [label for _, label in keys])
+    ax2.set_yscale("log")
+    ax2.set_ylabel("TTFT, s (log; lower is better)")
+    ax2.set_title("2,052-token prompt")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.load_py.is_file():
+        print(f"serve_bench: error: the load client {args.load_py} does not exist; pass --load-py", file=sys.stderr)
+        return 2
+    cache_dir = Path(os.environ.get("KVGATE_CACHE_DIR", Path.home() / ".cache" / "kvgate"))
+    vllm_dir = args.vllm_model_dir or cache_dir / "models" / "SmolLM2-135M-Instruct"
+    if args.vllm_python is not None and not (vllm_dir / "config.json").is_file():
+        print(f"serve_bench: error: no float32 model folder at {vllm_dir}; start `kvgate serve` once (it "
+              "converts the default model there) or pass --vllm-model-dir", file=sys.stderr)
+        return 2
+    kvgate = str(Path(sys.executable).with_name("kvgate"))
+    logs = Path(os.environ.get("TMPDIR", "/tmp")) / "serve_bench_logs"
+    logs.mkdir(exist_ok=True)
+    raw: dict[str, list[dict[str, Any]]] = {"kvgate": [], "vllm": [], "plain": []}
+    for run in range(1, args.runs + 1):
+        say(f"run {run}/{args.runs}")
+        port = free_port()
+        raw["kvgate"].append(run_server(
+            "kvgate", [kvgate, "serve", "--model", args.model, "--port", str(port), "--log-level", "warning",
+                       *args.kvgate_args.split()],
+            dict(os.environ), None, "/ready", 600, args, port,
+            logs / f"kvgate_{run}.log"))
+        if args.vllm_python is not None:
+            port = free_port()
+            env = dict(os.environ, VLLM_PY=str(args.vllm_python))
+            raw["vllm"].append(run_server(
+                "vllm", ["bash", str(PEERS / "start_vllm.sh"), str(vllm_dir), str(port)], env, "smollm2",
+                "/v1/models", args.vllm_start_timeout, args, port, logs / f"vllm_{run}.log"))
+        if not args.no_plain:
+            raw["plain"].append(run_plain(args.model))
+    results: dict[str, dict[str, float]] = {}
+    if raw["plain"]:
+        results["plain loop (in process)"] = medians([_plain_figures(d) for d in raw["plain"]])
+    for name in ("kvgate", "vllm"):
+        if raw[name]:
+            results[name] = medians([figures(r) for r in raw[name]])
+    print(f"medians over {args.runs} run(s); TTFT ratios are vLLM / KVGate\n")
+    print(table(results))
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps({"raw": raw, "medians": results}, indent=1))
+    if args.plot_out is not None:
+        plot(results, args.plot_out)
+        say(f"plot written to {args.plot_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
