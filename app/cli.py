@@ -21,17 +21,24 @@ configuration:
   TOML file from --config, else $KVGATE_CONFIG, else built-in defaults; flags override it.
   Sections: [model] path/dtype/max_model_len, [server] host/port/max_queue/secret/
   max_body_bytes/shutdown_timeout_s, [engine] device/max_num_seqs/max_num_batched_tokens/
-  num_threads/enable_prefix_caching, [cache] block_size, [cache.device] num_blocks,
-  [cache.host]/[cache.disk]/[cache.remote] (accepted; not enabled in this version),
+  num_threads/enable_prefix_caching/pack_weights, [cache] block_size/eviction (lru|s3fifo),
+  [cache.device] num_blocks, [cache.host] capacity_mb (0 = off), [cache.disk] path/capacity_mb
+  (0 = off), [cache.remote] (accepted; not enabled in this version),
   [admin] api_key, [[tenants]] name/api_keys/share_group/quota. Unknown keys are errors.
 
 environment:
   KVGATE_CONFIG     config file when --config is absent
-  KVGATE_CACHE_DIR  cache folder (models, server secret); default ~/.cache/kvgate
+  KVGATE_CACHE_DIR  cache folder (models, server secret, disk KV tier); default ~/.cache/kvgate
   KVGATE_SECRET     server secret for tenant salts when [server] secret is absent
+
+KV-cache tiers (on by default): device blocks evicted from the pool move to CPU memory
+  (--host-cache-mb), then to files on disk (--disk-cache); a later request with the same
+  prefix loads them instead of recomputing, also after a restart (the disk folder persists).
 
 examples:
   kvgate serve --model tiny --port 8000
+  kvgate serve --host-cache-mb 4096 --disk-cache /mnt/nvme/kvgate
+  kvgate serve --host-cache-mb 0 --disk-cache off     # device pool only
   kvgate serve --config /etc/kvgate.toml
 """
 
@@ -56,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "(overrides [model] path)")
     serve.add_argument("--host", metavar="H", help="address to bind (overrides [server] host; default 127.0.0.1)")
     serve.add_argument("--port", metavar="P", type=int, help="port to bind (overrides [server] port; default 8000)")
+    serve.add_argument("--host-cache-mb", metavar="N", type=int,
+                       help="CPU-memory KV tier size in MiB; 0 turns it off (overrides [cache.host] "
+                            "capacity_mb; default 1024)")
+    serve.add_argument("--disk-cache", metavar="PATH|off",
+                       help="folder of the local-disk KV tier, or 'off' (overrides [cache.disk] path; "
+                            "default <KVGATE_CACHE_DIR>/kv, 10 GiB)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="log level (default: info)")
     serve.set_defaults(func=_serve)
@@ -93,7 +106,12 @@ def _serve(args: argparse.Namespace) -> int:
     from app.settings import ConfigError, load_settings, log_settings_warnings
 
     configure_logging(args.log_level)
-    overrides = {"model.path": args.model, "server.host": args.host, "server.port": args.port}
+    overrides = {"model.path": args.model, "server.host": args.host, "server.port": args.port,
+                 "cache.host.capacity_mb": args.host_cache_mb}
+    if args.disk_cache == "off":
+        overrides["cache.disk.capacity_mb"] = 0
+    elif args.disk_cache is not None:
+        overrides["cache.disk.path"] = args.disk_cache
     try:
         settings = load_settings(args.config, overrides)
         settings.tenant_registry()  # fail fast on bad tenants or secret

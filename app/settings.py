@@ -65,12 +65,17 @@ class DeviceCacheSettings(_Section):
 
 
 class HostCacheSettings(_Section):
-    capacity_mb: int = Field(default=1024, ge=0)
+    capacity_mb: int = Field(default=1024, ge=0)  # 0 turns the host tier off
 
 
 class DiskCacheSettings(_Section):
-    path: str = "/var/lib/kvgate/kv"
-    capacity_mb: int = Field(default=10240, ge=0)
+    path: str | None = None  # default: <KVGATE_CACHE_DIR>/kv
+    capacity_mb: int = Field(default=10240, ge=0)  # 0 turns the disk tier off
+
+    def resolved_path(self) -> str:
+        from engine.tiny_model import cache_root
+
+        return self.path if self.path else str(cache_root() / "kv")
 
 
 class RemoteCacheSettings(_Section):
@@ -89,9 +94,10 @@ class RemoteCacheSettings(_Section):
 
 class CacheSettings(_Section):
     block_size: int = Field(default=16, gt=0)
+    eviction: Literal["lru", "s3fifo"] = "lru"  # the host and disk tiers' policy
     device: DeviceCacheSettings = DeviceCacheSettings()
-    host: HostCacheSettings | None = None
-    disk: DiskCacheSettings | None = None
+    host: HostCacheSettings = HostCacheSettings()
+    disk: DiskCacheSettings = DiskCacheSettings()
     remote: RemoteCacheSettings | None = None
 
 
@@ -135,6 +141,11 @@ class Settings(_Section):
                 enable_prefix_caching=self.engine.enable_prefix_caching,
                 num_threads=self.engine.num_threads,
                 pack_weights=self.engine.pack_weights,
+                host_cache_mb=self.cache.host.capacity_mb,
+                disk_cache_path=self.cache.disk.resolved_path() if self.cache.disk.capacity_mb > 0 else None,
+                disk_cache_mb=max(1, self.cache.disk.capacity_mb),
+                tier_policy=self.cache.eviction,
+                flush_on_shutdown_s=min(10.0, self.server.shutdown_timeout_s + 5.0),
             )
         except ValueError as exc:
             raise ConfigError(f"invalid engine configuration: {exc}") from exc
@@ -155,10 +166,6 @@ class Settings(_Section):
     def inactive_tiers(self) -> list[str]:
         """Configured cache tiers beyond the device that this version does not run."""
         tiers = []
-        if self.cache.host is not None and self.cache.host.capacity_mb > 0:
-            tiers.append("host")
-        if self.cache.disk is not None:
-            tiers.append("disk")
         if self.cache.remote is not None:
             tiers.append("remote")
         return tiers
@@ -216,7 +223,7 @@ def log_settings_warnings(settings: Settings) -> None:
     """Warn about configured features this version accepts but does not run."""
     tiers = settings.inactive_tiers()
     if tiers:
-        logger.warning("cache tiers beyond the device are not enabled in this version; "
+        logger.warning("the remote cache tier is not enabled in this version (host and disk are); "
                        "ignoring configured tiers=%s", ",".join(tiers))
     quotas = [t.name for t in settings.tenants if any(v is not None for v in t.quota.model_dump().values())]
     if quotas:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from cache.hashing import BlockHash
@@ -51,6 +51,9 @@ class BlockPool:
         self._cached: dict[BlockHash, Block] = {}
         self.stats = BlockPoolStats()
         self._max_lifetime_samples = max_lifetime_samples
+        # Called with (block, hash) just before a cached block's KV is given up for reuse, while
+        # the block still holds it: the tier chain copies it down (demotion).
+        self.on_evict: Callable[[Block, BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -60,6 +63,9 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    def cached_blocks(self) -> list[tuple[BlockHash, Block]]:
+        return list(self._cached.items())
 
     def get_cached_block(self, block_hash: BlockHash) -> Block | None:
         return self._cached.get(block_hash)
@@ -86,6 +92,12 @@ class BlockPool:
             block.hits += 1
             self.stats.cache_hits += 1
 
+    def hold(self, block: Block) -> None:
+        """Take a reference without counting a cache hit (pins a block while a prefix is assembled)."""
+        if block.ref_cnt == 0:
+            del self._free[block.block_id]
+        block.ref_cnt += 1
+
     def free_blocks(self, blocks: Iterable[Block]) -> None:
         """Drop one reference from each block; blocks reaching zero join the free queue's tail.
 
@@ -109,9 +121,11 @@ class BlockPool:
         self._cached[block_hash] = block
         return True
 
-    def _evict(self, block: Block) -> None:
+    def _evict(self, block: Block, demote: bool = True) -> None:
         if block.block_hash is None:
             return
+        if demote and self.on_evict is not None:
+            self.on_evict(block, block.block_hash)
         del self._cached[block.block_hash]
         block.block_hash = None
         self.stats.evictions += 1
@@ -122,7 +136,7 @@ class BlockPool:
         """Forget every idle cached block's hash (e.g. after weights change); returns how many."""
         idle = [b for b in self._free.values() if b.block_hash is not None]
         for block in idle:
-            self._evict(block)
+            self._evict(block, demote=False)
         return len(idle)
 
     def check_invariants(self) -> None:

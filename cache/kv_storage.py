@@ -53,6 +53,10 @@ class KVStorage:
     def values(self, layer: int) -> torch.Tensor:
         return self.kv[:, layer, 1]
 
+    def block_view(self, block_id: int) -> torch.Tensor:
+        """Block ``block_id``'s KV for all layers as a flat uint8 view (what tiers copy in and out)."""
+        return self.kv[block_id].view(torch.uint8).reshape(-1)
+
     def read_block(self, block_id: int) -> bytes:
         """Copy one block's KV for all layers out as raw bytes (native dtype, C order)."""
         block = self.kv[block_id].view(torch.uint8).reshape(-1)

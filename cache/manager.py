@@ -11,7 +11,7 @@ tokens? → new blocks or None, nothing changed on None) and ``free`` (request d
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from cache.block_pool import Block, BlockPool
@@ -27,6 +27,7 @@ class PrefixCacheStats:
     hit_tokens: int = 0
     lookup_time_s: float = 0.0
     duplicate_blocks: int = 0
+    promoted_blocks: int = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -75,6 +76,41 @@ class KVCacheManager:
             hits.append(block)
         self.stats.lookup_time_s += time.perf_counter() - start
         return hits, len(hits) * self.block_size
+
+    def promote(self, block_hashes: Sequence[BlockHash], num_tokens: int,
+                load: Callable[[BlockHash, int], bool]) -> int:
+        """Bring the lower-tier continuation of a prompt's cached prefix into the device pool.
+
+        Walks the prefix: blocks already on the device are pinned, the next missing ones are given
+        a fresh block and filled by ``load(hash, block_id)`` (False = not in any lower tier: stop).
+        Loaded blocks are published and, like every idle cached block, left at the free queue's
+        MRU end, so the ``get_computed_blocks`` that follows finds them. Returns how many loaded.
+        """
+        if not self.enable_caching:
+            return 0
+        max_blocks = min(len(block_hashes), max(0, num_tokens - 1) // self.block_size)
+        held: list[Block] = []
+        loaded = 0
+        try:
+            for block_hash in block_hashes[:max_blocks]:
+                block = self.pool.get_cached_block(block_hash)
+                if block is None:
+                    fresh = self.pool.get_new_blocks(1)
+                    if fresh is None:
+                        break
+                    block = fresh[0]
+                    if not load(block_hash, block.block_id):
+                        self.pool.free_blocks([block])
+                        break
+                    self.pool.cache_block(block, block_hash)
+                    loaded += 1
+                else:
+                    self.pool.hold(block)
+                held.append(block)
+        finally:
+            self.pool.free_blocks(reversed(held))
+        self.stats.promoted_blocks += loaded
+        return loaded
 
     def record_prefix_query(self, num_tokens: int, num_cached_tokens: int) -> None:
         """Count one admitted request's lookup (a lookup retried while blocked counts once)."""

@@ -28,6 +28,12 @@ class EngineConfig:
     served_model_name: str | None = None
     num_threads: int | None = None
     pack_weights: bool = True  # CPU: oneDNN pre-packed linear layers (engine.packing)
+    # Tiers below the device pool (cache.tiers): 0 / None = off. The server turns both on.
+    host_cache_mb: int = 0
+    disk_cache_path: str | None = None
+    disk_cache_mb: int = 10240
+    tier_policy: str = "lru"  # lru | s3fifo, for host and disk
+    flush_on_shutdown_s: float = 10.0  # write device and host blocks to disk when stopping
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -37,6 +43,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.host_cache_mb < 0 or self.disk_cache_mb <= 0:
+            raise ValueError("host_cache_mb must be >= 0 and disk_cache_mb > 0")
+        if self.tier_policy not in ("lru", "s3fifo"):
+            raise ValueError(f"tier_policy must be lru or s3fifo, got {self.tier_policy!r}")
         if self.num_blocks < 2:
             raise ValueError("num_blocks must be at least 2")
         if self.max_num_batched_tokens < self.block_size:

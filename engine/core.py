@@ -11,12 +11,17 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from cache.hashing import root_hash
 from cache.kv_storage import KVStorage
 from cache.manager import KVCacheManager
+from cache.tiers.chain import TierChain
+from cache.tiers.codec import BlockFormat
+from cache.tiers.disk import DiskTier
+from cache.tiers.host import HostTier
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.limits import RequestLimits
@@ -26,7 +31,7 @@ from engine.packing import pack_model
 from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingRow, make_generator
 from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +94,12 @@ class EngineCore:
             pack_model(self.loaded.model, self.loaded.device, self.loaded.dtype)
         self.manager = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.chain = self._build_chain(config)
+        self._loading: dict[str, list[Sequence]] = {}
+        self._prefill_tps: float | None = None
+        if self.chain is not None:
+            self.manager.pool.on_evict = self._demote
+            self.scheduler.promote = self._promote
         self.runner = ModelRunner(self.loaded.model, self.storage)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
@@ -101,6 +112,77 @@ class EngineCore:
         self._rows: dict[str, SamplingRow] = {}
         logger.info("engine ready", extra={"model": self.loaded.name, "kv_pool_mb": self.storage.nbytes >> 20,
                                             "num_blocks": config.num_blocks, "block_size": config.block_size})
+
+    # ---- tiers below the device ---------------------------------------------------------------
+    def _build_chain(self, config: EngineConfig) -> TierChain | None:
+        host = disk = None
+        fmt = BlockFormat(self.fingerprint, str(self.storage.dtype).removeprefix("torch."), self.storage.block_shape)
+        if config.host_cache_mb > 0:
+            host = HostTier(config.host_cache_mb << 20, self.storage.block_nbytes, config.tier_policy,
+                            pin=self.storage.device.type == "cuda")
+        if config.disk_cache_path:
+            disk = DiskTier(config.disk_cache_path, config.disk_cache_mb << 20, fmt, config.tier_policy)
+        if host is None and disk is None:
+            return None
+        logger.info("cache tiers host_mb=%d disk=%s", config.host_cache_mb, disk.dir if disk else None)
+        return TierChain(host, disk)
+
+    def _demote(self, block: Any, block_hash: bytes) -> None:
+        assert self.chain is not None
+        self.chain.demote(block_hash, self.storage.block_view(block.block_id))
+
+    def _promote(self, seq: Sequence) -> int:
+        return self.manager.promote(seq.block_hashes, seq.num_tokens, self._load_block)
+
+    def _load_block(self, block_hash: bytes, block_id: int) -> bool:
+        assert self.chain is not None
+        return self.chain.load(block_hash, self.storage.block_view(block_id))
+
+    def _start_prefetch(self, request_id: str, seq: Sequence) -> bool:
+        """If the prompt's prefix continues on disk, start loading it; True = the request waits."""
+        chain = self.chain
+        if chain is None or chain.disk is None or not self.config.enable_prefix_caching:
+            return False
+        max_blocks = min(len(seq.block_hashes), max(0, seq.num_tokens - 1) // self.block_size)
+        keys = seq.block_hashes[:max_blocks]
+        pool = self.manager.pool
+        i = 0
+        while i < len(keys) and pool.get_cached_block(keys[i]) is not None:
+            i += 1
+        rest = keys[i:]
+        if not rest:
+            return False
+        need = chain.plan_prefetch(rest, self.block_size, self._prefill_tps)
+        return chain.prefetch(request_id, need, also_wait_for=rest)
+
+    def poll_loads(self) -> int:
+        """Admit the requests whose disk loads finished; returns how many."""
+        if self.chain is None or not self._loading:
+            return 0
+        admitted = 0
+        for token in self.chain.poll():
+            seqs = self._loading.pop(str(token), None)
+            for seq in seqs or ():
+                seq.status = SequenceStatus.WAITING
+                self.scheduler.add(seq)
+            admitted += bool(seqs)
+        return admitted
+
+    def is_loading(self) -> bool:
+        return bool(self._loading)
+
+    def close(self) -> None:
+        """Write what the device and host hold to disk (bounded in time), then stop the I/O."""
+        chain = self.chain
+        if chain is None:
+            return
+        if chain.disk is not None and self.config.flush_on_shutdown_s > 0:
+            storage = self.storage
+            blocks = [(h, lambda b=b: storage.read_block(b.block_id)) for h, b in self.manager.pool.cached_blocks()]
+            written = chain.flush(blocks, self.config.flush_on_shutdown_s)
+            chain.drain_writes(self.config.flush_on_shutdown_s)
+            logger.info("cache tiers flushed %d blocks to disk", written)
+        chain.close()
 
     # ---- requests -------------------------------------------------------------------------
     def validate(self, request: GenerateRequest) -> None:
@@ -125,7 +207,13 @@ class EngineCore:
         self.counters.hash_time_s += time.perf_counter() - t0
         for seq in seqs:
             self._rows[seq.seq_id] = SamplingRow(params, seq.generator, seq.prompt_token_ids, seq.output_token_ids)
-            self.scheduler.add(seq)
+        if self._start_prefetch(request.request_id, seqs[0]):
+            for seq in seqs:
+                seq.status = SequenceStatus.LOADING
+            self._loading[request.request_id] = seqs
+        else:
+            for seq in seqs:
+                self.scheduler.add(seq)
         self._requests[request.request_id] = seqs
         self.counters.requests_added += 1
         self.counters.prompt_tokens += len(request.prompt_token_ids)
@@ -136,6 +224,8 @@ class EngineCore:
         seqs = self._requests.pop(request_id, None)
         if seqs is None:
             return False
+        if self._loading.pop(request_id, None) is not None and self.chain is not None:
+            self.chain.cancel(request_id)
         for seq in seqs:
             self._drop(seq, "abort")
         self.counters.requests_aborted += 1
@@ -165,6 +255,7 @@ class EngineCore:
         return list(self._requests)
 
     def has_work(self) -> bool:
+        """Whether a step would compute something (requests loading from disk do not count)."""
         return len(self.scheduler) > 0
 
     @property
@@ -188,6 +279,10 @@ class EngineCore:
         logits = self.runner.execute(token_ids, [s.start for s in work], tables, sample_rows)
         t_sample = time.perf_counter()
         self.counters.forward_time_s += t_sample - t_fwd
+        num_batched = plan.num_batched_tokens
+        if num_batched >= 256:  # a prefill-heavy step: what recomputing a block would cost
+            tps = num_batched / max(t_sample - t_fwd, 1e-6)
+            self._prefill_tps = tps if self._prefill_tps is None else 0.8 * self._prefill_tps + 0.2 * tps
         for s in work:
             s.seq.num_computed_tokens += s.num_new
             self.counters.computed_tokens += s.num_new
@@ -258,6 +353,10 @@ class EngineCore:
             "forward_time_s": c.forward_time_s,
             "sample_time_s": c.sample_time_s,
             "hash_time_s": c.hash_time_s,
+            "num_loading": len(self._loading),
+            "promoted_blocks": pc.promoted_blocks,
+            "prefill_tokens_per_s": self._prefill_tps,
+            "tiers": self.chain.snapshot() if self.chain is not None else {},
             "engine_pid": os.getpid(),
             "engine_threads": {"owner": self.owner_thread, "step": self.step_thread},
         }

@@ -28,6 +28,7 @@ from engine.limits import RequestLimits
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long an idle loop blocks waiting for a command before looking again
+LOAD_POLL_S = 0.002  # while requests wait on disk loads and nothing else runs
 
 Command = tuple[Any, ...]
 Emit = Callable[[tuple[Any, ...]], None]
@@ -85,13 +86,18 @@ class EngineLoop:
     def run(self, receive: Receive) -> None:
         """Loop until a ``shutdown`` command; ``receive(timeout)`` returns the pending commands."""
         core = self.core
-        while True:
-            for command in receive(0.0 if core.has_work() else IDLE_WAIT_S):
-                if not self.handle(command):
-                    self._abort_all()
-                    return
-            if core.has_work():
-                self.step()
+        try:
+            while True:
+                timeout = 0.0 if core.has_work() else LOAD_POLL_S if core.is_loading() else IDLE_WAIT_S
+                for command in receive(timeout):
+                    if not self.handle(command):
+                        self._abort_all()
+                        return
+                core.poll_loads()
+                if core.has_work():
+                    self.step()
+        finally:
+            core.close()
 
     def handle(self, command: Command) -> bool:
         """Apply one command; False means shut down."""

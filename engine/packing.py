@@ -47,6 +47,9 @@ class PackedLinear(nn.Module):
         self.in_features = int(weight.shape[1])
         self.out_features = int(weight.shape[0])
         weight = weight.detach().contiguous()
+        self.weight: torch.Tensor
+        self.packed: torch.Tensor
+        self.bias: torch.Tensor | None
         self.register_buffer("weight", weight)
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT_ROWS))
         self.register_buffer("bias", None if bias is None else bias.detach())
@@ -106,7 +109,8 @@ def _pack_children(parent: nn.Module, dtype: torch.dtype) -> int:
         new: nn.Module | None = None
         if hasattr(child, "act_fn") and all(isinstance(getattr(child, n, None), nn.Linear)
                                             for n in ("gate_proj", "up_proj", "down_proj")):
-            new, width = FusedGateUpMLP(child), int(child.gate_proj.weight.shape[1])
+            mlp: Any = child
+            new, width = FusedGateUpMLP(mlp), int(mlp.gate_proj.weight.shape[1])
         elif type(child) is nn.Linear:
             new, width = PackedLinear(child.weight, child.bias), child.in_features
         if new is None:

@@ -9,6 +9,7 @@ freed (their cached prefix usually survives in the free queue) and it is recompu
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cache.block_pool import Block
@@ -47,6 +48,9 @@ class Scheduler:
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Set by the engine when lower cache tiers exist: loads a waiting sequence's prefix from
+        # host memory into the device pool just before its cache lookup.
+        self.promote: Callable[[Sequence], int] | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -83,6 +87,8 @@ class Scheduler:
             hits: list[Block] = []
             num_cached = 0
             if seq.num_computed_tokens == 0:
+                if self.promote is not None:
+                    self.promote(seq)
                 hits, num_cached = self.manager.get_computed_blocks(seq.block_hashes, seq.num_tokens)
             num_new = min(seq.num_tokens - num_cached, budget)
             new = self.manager.allocate_slots(
@@ -120,6 +126,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        # LOADING: never entered the queues
         self.manager.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

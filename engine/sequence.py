@@ -12,6 +12,7 @@ from engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
+    LOADING = "loading"  # its prefix is being read from disk; not yet in the scheduler
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"

@@ -141,6 +141,8 @@ def start_server(kvgate_env: dict[str, str], tmp_path_factory: pytest.TempPathFa
         if config is not None:
             (folder / "kvgate.toml").write_text(config)
             argv = ["--config", str(folder / "kvgate.toml"), *argv]
+        if "--disk-cache" not in argv:  # a disk tier per server: no test sees another's blocks
+            argv = [*argv, "--disk-cache", str(folder / "kv")]
         server = ServerProcess(argv, folder / "server.log", kvgate_env)
         started.append(server)
         if wait is not None:

@@ -110,8 +110,8 @@ def test_full_queue_is_429_with_retry_after(http: httpx.Client, tenant_server) -
     assert ok.status_code == 200
 
 
-def test_inactive_tiers_are_reported(tenant_server) -> None:
-    assert "tiers beyond the device are not enabled" in tenant_server.log()
+def test_tiers_are_on_and_keys_never_logged(tenant_server) -> None:
+    assert "cache tiers host_mb=64" in tenant_server.log()
     assert all(key not in tenant_server.log() for key in (*TENANT_KEYS.values(), ADMIN_KEY))
 
 

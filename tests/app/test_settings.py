@@ -77,7 +77,20 @@ def test_missing_file() -> None:
         load_settings("/does/not/exist.toml", env={})
 
 
-def test_tiers_accepted_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_host_and_disk_tiers_are_on_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path / "cache"))
+    config = load_settings(env={}).engine_config()
+    assert config.host_cache_mb == 1024
+    assert config.disk_cache_path == str(tmp_path / "cache" / "kv") and config.disk_cache_mb == 10240
+    off = load_settings(overrides={"cache.host.capacity_mb": 0, "cache.disk.capacity_mb": 0}, env={})
+    assert off.engine_config().host_cache_mb == 0 and off.engine_config().disk_cache_path is None
+    s3 = load_settings(_write(tmp_path, '[cache]\neviction = "s3fifo"\n[cache.disk]\npath = "/x/kv"\n'), env={})
+    assert s3.engine_config().tier_policy == "s3fifo" and s3.engine_config().disk_cache_path == "/x/kv"
+    with pytest.raises(ConfigError, match="eviction"):
+        load_settings(_write(tmp_path, '[cache]\neviction = "mru"\n'), env={})
+
+
+def test_remote_tier_accepted_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = _write(tmp_path, """
 [cache.host]
 capacity_mb = 1024
@@ -91,10 +104,10 @@ ttl_s = 60
 write = "back"
 """)
     settings = load_settings(path, env={})
-    assert settings.inactive_tiers() == ["host", "disk", "remote"]
+    assert settings.inactive_tiers() == ["remote"]
     with caplog.at_level(logging.WARNING):
         log_settings_warnings(settings)
-    assert "not enabled in this version" in caplog.text
+    assert "remote cache tier is not enabled in this version" in caplog.text
     assert load_settings(_write(tmp_path, "[cache.host]\ncapacity_mb = 0\n"), env={}).inactive_tiers() == []
 
 

@@ -1,0 +1,224 @@
+"""DiskTier: one file per KV block under a folder, written atomically, indexed in memory.
+
+    <path>/<first 16 hex digits of the model fingerprint>/<block hash hex>.kvb
+
+Files hold `codec` records (header + payload). Reads and writes are coroutines run on the chain's
+I/O event loop (`aiofiles`), never on the step loop. A write goes to a temporary file, is
+fsync'ed and renamed over the final name, so a crash leaves either the whole block or nothing.
+The index is rebuilt from the folder when the tier starts (blocks outlive restarts), oldest
+modification time first as eviction order; leftover temporary files are removed. Capacity is
+counted in blocks (``capacity_bytes`` // record size). A corrupt, truncated or foreign file is a
+miss: it is deleted and counted. I/O errors (read-only folder, disk full) are counted and logged
+once per kind; the block is simply not stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import aiofiles
+import aiofiles.os
+
+from cache.tiers.codec import BlockFormat, CorruptBlockError, decode, encode
+from cache.tiers.policy import make_policy
+from cache.tiers.stats import RateEstimate, TierStats
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".kvb"
+_HASH_HEX = 64
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, path: str | Path, capacity_bytes: int, fmt: BlockFormat, policy: str = "lru") -> None:
+        self.fmt = fmt
+        self.root = Path(path).expanduser()
+        self.dir = self.root / fmt.fingerprint.hex()[:16]
+        self.capacity_blocks = capacity_bytes // fmt.record_size
+        if self.capacity_blocks <= 0:
+            raise ValueError(f"disk tier of {capacity_bytes} bytes holds no block of {fmt.record_size} bytes")
+        self.policy = make_policy(policy, self.capacity_blocks)
+        self.policy_name = policy
+        self.stats = TierStats()
+        self.rate = RateEstimate(bytes_per_s=500e6, latency_s=2e-3)
+        self._lock = threading.Lock()  # the index is read by the step loop, changed by the I/O loop
+        self._index: set[bytes] = set()
+        self._reserved = 0
+        self._logged: set[str] = set()
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(f"cannot create the disk cache folder {self.dir}: {exc.strerror}; pass a writable "
+                          "[cache.disk] path (or --disk-cache PATH), or --disk-cache off") from exc
+        self.rebuilt = self._rebuild()
+
+    # ---- index (any thread) -----------------------------------------------------------------
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self) * self.fmt.record_size
+
+    def path_of(self, key: bytes) -> Path:
+        return self.dir / (key.hex() + SUFFIX)
+
+    def _rebuild(self) -> int:
+        entries: list[tuple[float, bytes]] = []
+        for entry in os.scandir(self.dir):
+            name = entry.name
+            if name.endswith(".tmp"):
+                _unlink(entry.path)
+                continue
+            if not name.endswith(SUFFIX) or len(name) != _HASH_HEX + len(SUFFIX):
+                continue
+            try:
+                key = bytes.fromhex(name[:_HASH_HEX])
+                stat = entry.stat()
+            except (ValueError, OSError):
+                continue
+            if stat.st_size != self.fmt.record_size:  # truncated or foreign: never served
+                _unlink(entry.path)
+                self.stats.corrupt += 1
+                continue
+            entries.append((stat.st_mtime, key))
+        entries.sort()
+        for _, key in entries:
+            self._index.add(key)
+            self.policy.insert(key)
+        while len(self._index) > self.capacity_blocks:
+            self._drop(self.policy.evict())  # type: ignore[arg-type]
+        if self._index:
+            logger.info("disk cache: %d blocks found in %s", len(self._index), self.dir)
+        return len(self._index)
+
+    def _drop(self, key: bytes) -> None:
+        self._index.discard(key)
+        _unlink(self.path_of(key))
+        self.stats.evictions += 1
+
+    # ---- I/O (the chain's I/O loop) -----------------------------------------------------------
+    async def read(self, key: bytes) -> bytes | None:
+        """The block's payload, or None (missing, unreadable, or corrupt: then deleted)."""
+        with self._lock:
+            if key not in self._index:
+                self.stats.misses += 1
+                return None
+        path = self.path_of(key)
+        t0 = time.perf_counter()
+        try:
+            async with aiofiles.open(path, "rb") as f:
+                data = await f.read()
+        except FileNotFoundError:
+            self._forget(key)
+            self.stats.misses += 1
+            return None
+        except OSError as exc:
+            self._error("read", exc)
+            return None
+        elapsed = time.perf_counter() - t0
+        try:
+            payload = decode(self.fmt, key, data)
+        except CorruptBlockError as exc:
+            logger.warning("disk cache: %s is unusable (%s); deleted", path.name, exc)
+            self._forget(key)
+            _unlink(path)
+            self.stats.corrupt += 1
+            self.stats.misses += 1
+            return None
+        with self._lock:
+            self.policy.touch(key)
+        self.rate.observe(len(data), elapsed)
+        self.stats.hits += 1
+        self.stats.reads += 1
+        self.stats.read_time_s += elapsed
+        self.stats.bytes_read += len(data)
+        return payload.tobytes()
+
+    async def write(self, key: bytes, payload: bytes | memoryview) -> bool:
+        """Store a block atomically; True if it is on disk afterwards."""
+        with self._lock:
+            if key in self._index:
+                self.policy.touch(key)
+                return True
+            while len(self._index) + self._reserved >= self.capacity_blocks:
+                if not self._index:  # every slot is taken by writes in flight
+                    self.stats.dropped += 1
+                    return False
+                self._drop(self.policy.evict())  # type: ignore[arg-type]
+            self._reserved += 1
+        record = encode(self.fmt, key, payload)
+        final = self.path_of(key)
+        tmp = self.dir / f".{key.hex()[:16]}.{uuid.uuid4().hex[:8]}.tmp"
+        t0 = time.perf_counter()
+        try:
+            async with aiofiles.open(tmp, "wb") as f:
+                await f.write(record)
+                await f.flush()
+                await aiofiles.os.wrap(os.fsync)(f.fileno())
+            await aiofiles.os.replace(tmp, final)
+        except OSError as exc:
+            _unlink(tmp)
+            with self._lock:
+                self._reserved -= 1
+            self._error("write", exc)
+            return False
+        elapsed = time.perf_counter() - t0
+        with self._lock:
+            self._reserved -= 1
+            self._index.add(key)
+            self.policy.insert(key)
+        self.stats.puts += 1
+        self.stats.writes += 1
+        self.stats.write_time_s += elapsed
+        self.stats.bytes_written += len(record)
+        return True
+
+    def delete(self, key: bytes) -> bool:
+        with self._lock:
+            if key not in self._index:
+                return False
+            self._index.discard(key)
+            self.policy.remove(key)
+        _unlink(self.path_of(key))
+        return True
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            if key in self._index:
+                self._index.discard(key)
+                self.policy.remove(key)
+
+    def _error(self, op: str, exc: OSError) -> None:
+        self.stats.errors += 1
+        kind = f"{op}:{exc.errno}"
+        if kind not in self._logged:  # once per kind: a full disk must not flood the log
+            self._logged.add(kind)
+            logger.error("disk cache %s failed in %s: %s (further errors of this kind are only counted)",
+                         op, self.dir, exc.strerror or exc)
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            assert len(self.policy) == len(self._index)
+            assert len(self._index) <= self.capacity_blocks
+            on_disk = {bytes.fromhex(p.name[:_HASH_HEX]) for p in self.dir.glob("*" + SUFFIX)}
+            assert self._index <= on_disk, "index names files that do not exist"
+
+
+def _unlink(path: str | Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

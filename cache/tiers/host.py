@@ -1,0 +1,119 @@
+"""HostTier: KV blocks in CPU memory, a fixed slab of equal slots (pinned when CUDA is present).
+
+Only the engine's step-loop thread touches it: device evictions are copied in (one memcpy per
+block, no serialisation), promotions copied out into a device block, and blocks that the disk
+tier loaded are handed over by the loop. When full, the eviction policy picks a victim whose
+bytes are returned to the caller, who passes them down the chain.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from cache.tiers.policy import make_policy
+from cache.tiers.stats import RateEstimate, TierStats
+
+
+class HostTier:
+    name = "host"
+
+    def __init__(self, capacity_bytes: int, block_nbytes: int, policy: str = "lru", pin: bool = False) -> None:
+        self.block_nbytes = block_nbytes
+        self.capacity_blocks = capacity_bytes // block_nbytes
+        if self.capacity_blocks <= 0:
+            raise ValueError(f"host tier of {capacity_bytes} bytes holds no block of {block_nbytes} bytes")
+        # torch.empty reserves address space; pages are touched only as slots fill up
+        self.slots = torch.empty((self.capacity_blocks, block_nbytes), dtype=torch.uint8, pin_memory=pin)
+        self._index: dict[bytes, int] = {}
+        self._free = list(range(self.capacity_blocks - 1, -1, -1))
+        self.policy = make_policy(policy, self.capacity_blocks)
+        self.policy_name = policy
+        self.stats = TierStats()
+        self.rate = RateEstimate(bytes_per_s=5e9, latency_s=1e-5)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._index
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._index) * self.block_nbytes
+
+    def put(self, key: bytes, src: torch.Tensor) -> list[tuple[bytes, bytes]]:
+        """Copy a block in (``src``: its bytes as a flat uint8 tensor); returns evicted (key, bytes)."""
+        if key in self._index:
+            self.policy.touch(key)
+            return []
+        evicted = [] if self._free else [self._evict_one()]
+        slot = self._free.pop()
+        t0 = time.perf_counter()
+        self.slots[slot].copy_(src)
+        self.stats.write_time_s += time.perf_counter() - t0
+        self._index[key] = slot
+        self.policy.insert(key)
+        self.stats.puts += 1
+        self.stats.writes += 1
+        self.stats.bytes_written += self.block_nbytes
+        return evicted
+
+    def put_bytes(self, key: bytes, payload: bytes | memoryview) -> list[tuple[bytes, bytes]]:
+        view = memoryview(payload).cast("B")
+        src = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8)
+        return self.put(key, src)
+
+    def load_into(self, key: bytes, dst: torch.Tensor) -> bool:
+        """Copy a block out into ``dst`` (flat uint8, e.g. a device block); False on a miss."""
+        slot = self._index.get(key)
+        if slot is None:
+            self.stats.misses += 1
+            return False
+        t0 = time.perf_counter()
+        dst.copy_(self.slots[slot])
+        elapsed = time.perf_counter() - t0
+        self.rate.observe(self.block_nbytes, elapsed)
+        self.policy.touch(key)
+        self.stats.hits += 1
+        self.stats.reads += 1
+        self.stats.read_time_s += elapsed
+        self.stats.bytes_read += self.block_nbytes
+        return True
+
+    def payload(self, key: bytes) -> bytes | None:
+        slot = self._index.get(key)
+        return None if slot is None else self.slots[slot].numpy().tobytes()
+
+    def delete(self, key: bytes) -> bool:
+        slot = self._index.pop(key, None)
+        if slot is None:
+            return False
+        self.policy.remove(key)
+        self._free.append(slot)
+        return True
+
+    def clear(self) -> int:
+        keys = list(self._index)
+        for key in keys:
+            self.delete(key)
+        return len(keys)
+
+    def keys(self) -> Iterator[bytes]:
+        return iter(list(self._index))
+
+    def _evict_one(self) -> tuple[bytes, bytes]:
+        key = self.policy.evict()
+        slot = self._index.pop(key)  # type: ignore[call-overload]
+        payload = self.slots[slot].numpy().tobytes()
+        self._free.append(slot)
+        self.stats.evictions += 1
+        return key, payload  # type: ignore[return-value]
+
+    def check_invariants(self) -> None:
+        assert len(self._index) + len(self._free) == self.capacity_blocks
+        assert len(set(self._index.values())) == len(self._index)
+        assert not set(self._index.values()) & set(self._free)
+        assert len(self.policy) == len(self._index), (len(self.policy), len(self._index))

@@ -1,0 +1,69 @@
+"""Tiers seen from outside: a prefix evicted from the device pool is a host hit, and a prefix
+survives a server restart on the disk tier; `cached_tokens` says so and the text is unchanged."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+
+SMALL_POOL = """
+[model]
+path = "tiny"
+
+[cache]
+block_size = 16
+
+[cache.device]
+num_blocks = 48
+
+[cache.host]
+capacity_mb = 8
+"""
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def _complete(url: str, ids: list[int], max_tokens: int = 8) -> tuple[str, int]:
+    body = {"model": "tiny", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    return data["choices"][0]["text"], data["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _tiers(url: str) -> dict:
+    return httpx.get(url + "/admin/metrics", timeout=30).json()["tiers"]
+
+
+def test_a_prefix_pushed_off_the_device_is_served_from_host(start_server) -> None:
+    server = start_server("--disk-cache", "off", config=SMALL_POOL)
+    prompt = _ids(1, 500)  # 31 full blocks of the 48-block pool
+    cold, cached = _complete(server.url, prompt)
+    assert cached == 0
+    for seed in (2, 3):  # two other long prompts take the whole pool
+        _complete(server.url, _ids(seed, 600), max_tokens=1)
+    warm, cached = _complete(server.url, prompt)
+    assert warm == cold
+    assert cached == 496
+    tiers = _tiers(server.url)
+    assert tiers["host"]["hits"] >= 31 and "disk" not in tiers
+
+
+def test_a_prefix_survives_a_restart_on_the_disk_tier(start_server, tmp_path) -> None:
+    folder = str(tmp_path / "kv")
+    prompt = _ids(4, 300)
+    first = start_server("--model", "tiny", "--disk-cache", folder)
+    cold, cached = _complete(first.url, prompt)
+    assert cached == 0
+    assert first.stop() == 0  # SIGTERM: the engine writes its cached blocks to disk
+    assert "cache tiers flushed" in first.log()
+    second = start_server("--model", "tiny", "--disk-cache", folder)
+    warm, cached = _complete(second.url, prompt)
+    assert warm == cold
+    assert cached == 288  # 18 full blocks of 16
+    disk = _tiers(second.url)["disk"]
+    assert disk["hits"] >= 18 and disk["path"].startswith(folder)

@@ -1,0 +1,165 @@
+"""The tier chain inside the engine: evicted prefixes come back from host, from disk, after a
+restart, and a damaged disk block is recomputed — always with the cold run's exact tokens."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.outputs import GenerateRequest
+from engine.sampling_params import SamplingParams
+
+BLOCK = 4
+PROMPT_LEN = 121  # 30 full blocks + 1 token
+
+
+def make_engine(model_dir: Path, **overrides) -> EngineCore:
+    kwargs = dict(model=str(model_dir), block_size=BLOCK, num_blocks=64, max_num_batched_tokens=128,
+                  host_cache_mb=1)
+    kwargs.update(overrides)
+    return EngineCore(EngineConfig(**kwargs))
+
+
+def prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def run(core: EngineCore, request_id: str, ids: list[int], max_tokens: int = 6) -> tuple[list[int], int]:
+    """Drive the engine as its loop does (poll disk loads, step) until the request finishes."""
+    core.add_request(GenerateRequest(request_id, ids, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                    ignore_eos=True)))
+    tokens, cached = [], -1
+    for _ in range(100_000):
+        if not (core.has_work() or core.is_loading()):
+            break
+        core.poll_loads()
+        if not core.has_work():
+            time.sleep(0.001)  # waiting on disk reads, as the engine loop does
+            continue
+        if core.has_work():
+            for out in core.step():
+                tokens.append(out.token_id)
+                cached = out.num_cached_tokens if cached < 0 else cached
+    assert not core.has_work() and not core.is_loading()
+    return tokens, cached
+
+
+def flood(core: EngineCore, seed: int) -> None:
+    """Unrelated prompts that need the whole device pool, evicting every idle cached block."""
+    for i in range(2):
+        run(core, f"flood-{seed}-{i}", prompt(10_000 + seed * 10 + i, 200), max_tokens=1)
+
+
+def on_device(core: EngineCore, ids: list[int]) -> bool:
+    from cache.hashing import extend_block_hashes, root_hash
+
+    hashes = extend_block_hashes([], root_hash(b"", core.fingerprint, None), ids, BLOCK)
+    return core.manager.pool.get_cached_block(hashes[0]) is not None
+
+
+def test_an_evicted_prefix_comes_back_from_host(tiny_model_dir: Path) -> None:
+    core = make_engine(tiny_model_dir)
+    try:
+        a = prompt(1)
+        cold, cached = run(core, "a1", a)
+        assert cached == 0
+        flood(core, 1)
+        assert not on_device(core, a)
+        warm, cached = run(core, "a2", a)
+        assert warm == cold
+        assert cached == 120  # every full block of the prompt, from host
+        tiers = core.stats()["tiers"]
+        assert tiers["host"]["hits"] >= 30 and tiers["chain"]["promotions"] >= 30
+        assert core.stats()["promoted_blocks"] >= 30
+        core.manager.pool.check_invariants()
+        core.chain.host.check_invariants()
+    finally:
+        core.close()
+
+
+def test_with_host_flushed_the_prefix_comes_back_from_disk_without_blocking_other_requests(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    core = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv"))
+    try:
+        a = prompt(2)
+        cold, _ = run(core, "a1", a)
+        flood(core, 2)
+        assert core.chain.flush([], timeout_s=30) >= 30  # host → disk
+        core.chain.host.clear()
+        warm, cached = run(core, "a2", a)
+        assert warm == cold and cached == 120
+        stats = core.stats()["tiers"]
+        assert stats["disk"]["hits"] >= 30 and stats["chain"]["prefetches"] == 1
+        assert stats["chain"]["prefetched_blocks"] >= 30
+    finally:
+        core.close()
+
+
+def test_a_restart_with_the_same_disk_folder_serves_from_disk(tiny_model_dir: Path, tmp_path: Path) -> None:
+    a = prompt(3)
+    first = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv"))
+    try:
+        cold, _ = run(first, "a1", a)
+    finally:
+        first.close()  # flushes the device and host blocks to disk
+    second = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv"))
+    try:
+        assert second.chain.disk.rebuilt >= 30
+        warm, cached = run(second, "a2", a)
+        assert warm == cold and cached == 120
+        assert second.stats()["tiers"]["disk"]["hits"] >= 30
+    finally:
+        second.close()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncate"])
+def test_a_damaged_disk_block_is_recomputed_and_counted(tiny_model_dir: Path, tmp_path: Path, damage: str) -> None:
+    a = prompt(4)
+    first = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv"))
+    try:
+        cold, _ = run(first, "a1", a)
+    finally:
+        first.close()
+    files = sorted((tmp_path / "kv").glob("*/*.kvb"), key=lambda p: p.stat().st_mtime)
+    assert files
+    second = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv"))
+    try:
+        for path in files:  # damage every stored block after the index was rebuilt
+            data = path.read_bytes()
+            path.write_bytes(data[: len(data) // 2] if damage == "truncate" else bytes(len(data)))
+        warm, cached = run(second, "a2", a)
+        assert warm == cold and cached == 0
+        disk = second.stats()["tiers"]["disk"]
+        assert disk["corrupt"] >= 1 and disk["hits"] == 0
+        assert not any(p.exists() for p in files[:1]) or disk["corrupt"] >= 1
+    finally:
+        second.close()
+
+
+def test_abort_while_loading_from_disk_frees_everything(tiny_model_dir: Path, tmp_path: Path) -> None:
+    a = prompt(5)
+    first = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv"))
+    try:
+        run(first, "a1", a)
+    finally:
+        first.close()
+    core = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv"))
+    try:
+        core.add_request(GenerateRequest("x", a, SamplingParams(max_tokens=4)))
+        assert core.is_loading()
+        assert core.abort_request("x")
+        assert not core.is_loading() and core.num_requests == 0
+        for _ in range(5000):  # late completions for a cancelled request are dropped
+            core.poll_loads()
+            if core.chain.stats.prefetched_blocks >= 30:
+                break
+            time.sleep(0.001)
+        assert not core.has_work() and core.manager.num_blocks_in_use == 0
+    finally:
+        core.close()
