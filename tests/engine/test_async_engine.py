@@ -188,3 +188,64 @@ def test_stepping_from_another_thread_is_refused(tiny_model_dir):
     thread.join()
     assert errors and "thread that built it" in str(errors[0])
     assert core.step()  # the owner thread steps fine
+
+
+class _FakeBackend:
+    """A backend whose engine 'dies' on demand: tests the restart policy without processes."""
+
+    kind = "fake"
+
+    def __init__(self, fail_start_after: int | None = None) -> None:
+        self.tokenizer = None
+        self.starts = 0
+        self.fail_start_after = fail_start_after
+
+    def start(self, on_event):
+        from engine.limits import RequestLimits
+        from engine.loop import EngineInfo
+
+        self.starts += 1
+        if self.fail_start_after is not None and self.starts > self.fail_start_after:
+            raise RuntimeError("cannot start")
+        return EngineInfo("fake", "/fake", b"f" * 32, RequestLimits(100, 64, 4, 16), 4, self.starts, 0)
+
+    def send(self, command) -> None:
+        pass
+
+    def close(self, timeout_s: float = 0) -> None:
+        pass
+
+
+def test_a_dead_engine_is_restarted_and_after_too_many_deaths_the_server_is_told(monkeypatch):
+    async def main():
+        backend = _FakeBackend()
+        engine = AsyncEngine(backend, max_restarts=2)
+        fatal: list[BaseException] = []
+        engine.on_fatal = fatal.append
+        engine.load()
+        engine.start()
+        for expected_starts in (2, 3):
+            engine._handle_event(("dead", "killed by signal 9"))
+            assert not engine.ready and engine.status == "restarting"
+            await engine._restart_task
+            assert engine.ready and backend.starts == expected_starts and not fatal
+        engine._handle_event(("dead", "killed by signal 9"))  # third death within the window
+        await engine._restart_task
+        assert not engine.ready and engine.status == "failed" and backend.starts == 3
+        assert fatal and "3 times" in str(fatal[0])
+
+    run(main())
+
+
+def test_a_restart_that_cannot_start_tells_the_server():
+    async def main():
+        engine = AsyncEngine(_FakeBackend(fail_start_after=1))
+        fatal: list[BaseException] = []
+        engine.on_fatal = fatal.append
+        engine.load()
+        engine.start()
+        engine._handle_event(("dead", "exit code 1"))
+        await engine._restart_task
+        assert fatal and "cannot start" in str(fatal[0]) and engine.status == "failed"
+
+    run(main())

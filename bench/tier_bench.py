@@ -1,0 +1,272 @@
+"""Tier benchmark: TTFT of a 2,048-token prompt whose first 1,984 tokens sit in exactly one tier.
+
+In process, one EngineCore (SmolLM2-135M-Instruct float32 by default) with the host and disk
+tiers on (the disk tier in a temporary folder). For each repeat, a fresh random prompt prefix:
+
+  recompute  nothing cached: the full prefill;
+  device     the prefix's blocks are cached in the device pool;
+  host       they were demoted to the host tier and dropped from the device;
+  disk       they were written to the disk tier and dropped from device and host.
+
+The measured request is the prefix plus 64 new tokens, one greedy token; TTFT is from
+``add_request`` to the first token, with the engine driven as its loop drives it (disk loads run
+on the I/O thread while the loop polls). Beside each tier's load rate, the machine's ceiling in
+the same run: a memcpy of the same bytes (host) and a plain read of the same files (disk).
+
+``--revisit`` adds the revisit workload: 40 documents of ~1,500 tokens, each visited three
+times in shuffled order with the default device pool, then once more after a restart (a new
+engine on the same disk folder); mean TTFT per pass.
+
+    .venv/bin/python -m bench.tier_bench --json-out docs/bench_tiers.json --plot-out docs/bench_tiers.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.outputs import GenerateRequest
+from engine.sampling_params import SamplingParams
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.tier_bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Run it on a quiet machine; figures are medians over --repeats.")
+    p.add_argument("--model", default="default", help="model: 'default', 'tiny', 'small' or a folder")
+    p.add_argument("--repeats", type=int, default=3, help="repeats per tier (default 3)")
+    p.add_argument("--prompt-tokens", type=int, default=2048, help="measured prompt length (default 2048)")
+    p.add_argument("--cached-tokens", type=int, default=1984, help="tokens held in the tier (default 1984)")
+    p.add_argument("--host-mb", type=int, default=1024, help="host tier size in MiB (default 1024)")
+    p.add_argument("--revisit", action="store_true", help="also run the 40-document revisit workload")
+    p.add_argument("--docs", type=int, default=40, help="revisit: number of documents (default 40)")
+    p.add_argument("--doc-tokens", type=int, default=1500, help="revisit: tokens per document (default 1500)")
+    p.add_argument("--json-out", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--plot-out", type=Path, default=None, help="write a PNG plot here")
+    return p.parse_args(argv)
+
+
+def say(message: str) -> None:
+    print(f"[tier_bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, disk_dir: str) -> None:
+        self.args = args
+        self.disk_dir = disk_dir
+        self.core = self.new_core()
+        self.rng = random.Random(0)
+        self.n = 0
+
+    def new_core(self, num_blocks: int = 1024) -> EngineCore:
+        return EngineCore(EngineConfig(model=self.args.model, host_cache_mb=self.args.host_mb,
+                                       disk_cache_path=self.disk_dir, num_blocks=num_blocks))
+
+    def ids(self, n: int) -> list[int]:
+        vocab = self.core.vocab_size
+        return [self.rng.randrange(100, vocab - 1) for _ in range(n)]
+
+    def ttft(self, ids: list[int], core: EngineCore | None = None) -> tuple[float, int]:
+        core = core or self.core
+        self.n += 1
+        t0 = time.perf_counter()
+        core.add_request(GenerateRequest(f"r{self.n}", ids, SamplingParams(max_tokens=1, temperature=0)))
+        first, cached = None, 0
+        while core.has_work() or core.is_loading():
+            core.poll_loads()
+            if not core.has_work():
+                time.sleep(0.0005)
+                continue
+            for out in core.step():
+                if first is None:
+                    first, cached = time.perf_counter() - t0, out.num_cached_tokens
+        assert first is not None
+        return first, cached
+
+    def drop_device(self) -> int:
+        """Demote every idle cached device block to the next tier and forget it on the device."""
+        core = self.core
+        pool = core.manager.pool
+        moved = 0
+        for block_hash, block in pool.cached_blocks():
+            if block.ref_cnt == 0:
+                core.chain.demote(block_hash, core.storage.block_view(block.block_id))
+                moved += 1
+        pool.evict_all_cached()
+        return moved
+
+    def drop_host_to_disk(self) -> None:
+        chain = self.core.chain
+        chain.flush([], timeout_s=120)
+        chain.drain_writes(120)
+        chain.host.clear()
+
+
+def tier_section(bench: Bench) -> dict[str, Any]:
+    args = bench.args
+    core = bench.core
+    block_bytes = core.storage.block_nbytes
+    nblocks = args.cached_tokens // core.block_size
+    results: dict[str, list[dict[str, float]]] = {k: [] for k in ("recompute", "device", "host", "disk")}
+    bench.ttft(bench.ids(args.prompt_tokens))  # warm-up
+    for r in range(args.repeats):
+        for tier in ("recompute", "device", "host", "disk"):
+            prefix = bench.ids(args.cached_tokens)
+            if tier != "recompute":
+                bench.ttft(prefix + bench.ids(args.prompt_tokens - args.cached_tokens))
+                if tier in ("host", "disk"):
+                    bench.drop_device()
+                if tier == "disk":
+                    bench.drop_host_to_disk()
+            host0 = dict(core.chain.host.stats.snapshot())
+            disk0 = dict(core.chain.disk.stats.snapshot())
+            t, cached = bench.ttft(prefix + bench.ids(args.prompt_tokens - args.cached_tokens))
+            row: dict[str, float] = {"ttft_s": t, "cached_tokens": cached}
+            if tier == "host":
+                s = core.chain.host.stats
+                row["load_s"] = s.read_time_s - host0["read_time_s"]
+                row["load_bytes"] = s.bytes_read - host0["bytes_read"]
+            if tier == "disk":
+                s = core.chain.disk.stats
+                row["load_s"] = s.read_time_s - disk0["read_time_s"]
+                row["load_bytes"] = s.bytes_read - disk0["bytes_read"]
+                row["wait_s"] = core.chain.stats.prefetch_wait_s
+            results[tier].append(row)
+            say(f"repeat {r + 1}/{args.repeats} {tier:9s} TTFT {t * 1000:8.1f} ms  cached {cached}")
+    # ceilings, same bytes, same run
+    src = torch.empty(nblocks * block_bytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    memcpy_bps = 5 * src.numel() / (time.perf_counter() - t0)
+    files = sorted(Path(core.chain.disk.dir).glob("*.kvb"))[:nblocks]
+    t0 = time.perf_counter()
+    total = 0
+    for path in files:
+        with path.open("rb") as f:
+            total += len(f.read())
+    read_bps = total / max(time.perf_counter() - t0, 1e-9)
+    med = {tier: statistics.median(r["ttft_s"] for r in rows) for tier, rows in results.items()}
+    host_bps = statistics.median(r["load_bytes"] / r["load_s"] for r in results["host"] if r.get("load_s"))
+    disk_bps = statistics.median(r["load_bytes"] / r["load_s"] for r in results["disk"] if r.get("load_s"))
+    return {"raw": results, "ttft_median_s": med, "speedup_vs_recompute": {t: med["recompute"] / v for t, v in med.items()},
+            "host_load_bytes_per_s": host_bps, "disk_load_bytes_per_s": disk_bps,
+            "memcpy_bytes_per_s": memcpy_bps, "file_read_bytes_per_s": read_bps,
+            "block_bytes": block_bytes, "blocks": nblocks}
+
+
+def revisit_section(bench: Bench) -> dict[str, Any]:
+    args = bench.args
+    docs = [bench.ids(args.doc_tokens) for _ in range(args.docs)]
+    passes: list[list[float]] = []
+    cached: list[list[int]] = []
+    for p in range(3):
+        order = list(range(args.docs))
+        random.Random(p).shuffle(order)
+        times, hits = [], []
+        for i in order:
+            t, c = bench.ttft(docs[i] + bench.ids(8))
+            times.append(t)
+            hits.append(c)
+        passes.append(times)
+        cached.append(hits)
+        say(f"revisit pass {p + 1}: mean TTFT {statistics.mean(times) * 1000:.0f} ms, "
+            f"mean cached {statistics.mean(hits):.0f} tokens")
+    say("revisit: restart (new engine on the same disk folder)")
+    bench.core.close()
+    bench.core = bench.new_core()
+    times, hits = [], []
+    for i in range(args.docs):
+        t, c = bench.ttft(docs[i] + bench.ids(8))
+        times.append(t)
+        hits.append(c)
+    passes.append(times)
+    cached.append(hits)
+    say(f"revisit after restart: mean TTFT {statistics.mean(times) * 1000:.0f} ms")
+    return {"mean_ttft_s": [statistics.mean(t) for t in passes], "mean_cached_tokens": [statistics.mean(c) for c in cached],
+            "labels": ["pass 1", "pass 2", "pass 3", "after restart"]}
+
+
+def print_tables(out: dict[str, Any]) -> None:
+    t = out["tiers"]
+    med, speed = t["ttft_median_s"], t["speedup_vs_recompute"]
+    print(f"TTFT of a {out['args']['prompt_tokens']}-token prompt, {out['args']['cached_tokens']} tokens in one "
+          f"tier ({t['blocks']} blocks of {t['block_bytes'] / 1024:.0f} KiB), medians of {out['args']['repeats']}\n")
+    print("| where the prefix is | TTFT | vs recompute |")
+    print("|---|---:|---:|")
+    for tier in ("recompute", "device", "host", "disk"):
+        print(f"| {tier} | {med[tier] * 1000:.1f} ms | {speed[tier]:.1f}× |")
+    print("\n| tier load | rate | ceiling (same bytes, same run) | share |")
+    print("|---|---:|---:|---:|")
+    print(f"| host → device | {t['host_load_bytes_per_s'] / 1e9:.2f} GB/s | memcpy {t['memcpy_bytes_per_s'] / 1e9:.2f} GB/s "
+          f"| {t['host_load_bytes_per_s'] / t['memcpy_bytes_per_s']:.0%} |")
+    print(f"| disk → host | {t['disk_load_bytes_per_s'] / 1e9:.2f} GB/s | file read {t['file_read_bytes_per_s'] / 1e9:.2f} GB/s "
+          f"| {t['disk_load_bytes_per_s'] / t['file_read_bytes_per_s']:.0%} |")
+    if "revisit" in out:
+        rv = out["revisit"]
+        print("\n| revisit workload | mean TTFT | mean cached tokens |")
+        print("|---|---:|---:|")
+        for label, ttft, c in zip(rv["labels"], rv["mean_ttft_s"], rv["mean_cached_tokens"], strict=True):
+            print(f"| {label} | {ttft * 1000:.0f} ms | {c:.0f} |")
+
+
+def plot(out: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 2 if "revisit" in out else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
+    axes = axes if panels > 1 else [axes]
+    med = out["tiers"]["ttft_median_s"]
+    tiers = ["recompute", "device", "host", "disk"]
+    axes[0].bar(tiers, [med[t] * 1000 for t in tiers], color=["#999", "#2a7", "#27a", "#a72"])
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("TTFT, ms (log)")
+    axes[0].set_title(f"{out['args']['cached_tokens']} of {out['args']['prompt_tokens']} tokens cached in one tier")
+    if "revisit" in out:
+        rv = out["revisit"]
+        axes[1].bar(rv["labels"], [t * 1000 for t in rv["mean_ttft_s"]])
+        axes[1].set_ylabel("mean TTFT, ms")
+        axes[1].set_title(f"revisit: {out['args']['docs']} docs × 3 passes, then restart")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kvgate-tier-bench-") as disk_dir:
+        say(f"loading {args.model}; disk tier in {disk_dir}")
+        bench = Bench(args, disk_dir)
+        out: dict[str, Any] = {"args": vars(args) | {"json_out": None, "plot_out": None}}
+        try:
+            out["tiers"] = tier_section(bench)
+            if args.revisit:
+                out["revisit"] = revisit_section(bench)
+        finally:
+            bench.core.close()
+    print_tables(out)
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(out, indent=1, default=str))
+    if args.plot_out is not None:
+        plot(out, args.plot_out)
+        say(f"plot written to {args.plot_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
