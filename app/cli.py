@@ -23,7 +23,7 @@ configuration:
   max_body_bytes/shutdown_timeout_s, [engine] device/max_num_seqs/max_num_batched_tokens/
   num_threads/enable_prefix_caching/pack_weights, [cache] block_size/eviction (lru|s3fifo),
   [cache.device] num_blocks, [cache.host] capacity_mb (0 = off), [cache.disk] path/capacity_mb
-  (0 = off), [cache.remote] (accepted; not enabled in this version),
+  (0 = off), [cache.remote] url/cluster/ttl_s/write (through|back; section absent = off),
   [admin] api_key, [[tenants]] name/api_keys/share_group/quota. Unknown keys are errors.
 
 environment:
@@ -31,13 +31,15 @@ environment:
   KVGATE_CACHE_DIR  cache folder (models, server secret, disk KV tier); default ~/.cache/kvgate
   KVGATE_SECRET     server secret for tenant salts when [server] secret is absent
 
-KV-cache tiers (on by default): device blocks evicted from the pool move to CPU memory
-  (--host-cache-mb), then to files on disk (--disk-cache); a later request with the same
-  prefix loads them instead of recomputing, also after a restart (the disk folder persists).
+KV-cache tiers: device blocks evicted from the pool move to CPU memory (--host-cache-mb, on
+  by default), then to files on disk (--disk-cache, on by default); with --remote-cache they are
+  also shared through Redis with every replica on the same store. A later request with the same
+  prefix loads them instead of recomputing, also after a restart.
 
 examples:
   kvgate serve --model tiny --port 8000
   kvgate serve --host-cache-mb 4096 --disk-cache /mnt/nvme/kvgate
+  kvgate serve --remote-cache redis://127.0.0.1:6379/0
   kvgate serve --host-cache-mb 0 --disk-cache off     # device pool only
   kvgate serve --config /etc/kvgate.toml
 """
@@ -69,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--disk-cache", metavar="PATH|off",
                        help="folder of the local-disk KV tier, or 'off' (overrides [cache.disk] path; "
                             "default <KVGATE_CACHE_DIR>/kv, 10 GiB)")
+    serve.add_argument("--remote-cache", metavar="URL|off",
+                       help="Redis URL of the shared KV tier (redis://host:port/db), or 'off' (overrides "
+                            "[cache.remote] url; default off)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="log level (default: info)")
     serve.set_defaults(func=_serve)
@@ -112,6 +117,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["cache.disk.capacity_mb"] = 0
     elif args.disk_cache is not None:
         overrides["cache.disk.path"] = args.disk_cache
+    if args.remote_cache is not None:
+        overrides["cache.remote.url"] = "" if args.remote_cache == "off" else args.remote_cache
     try:
         settings = load_settings(args.config, overrides)
         settings.tenant_registry()  # fail fast on bad tenants or secret

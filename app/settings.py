@@ -87,7 +87,7 @@ class RemoteCacheSettings(_Section):
     @field_validator("url")
     @classmethod
     def _redis_url(cls, url: str) -> str:
-        if not url.startswith(("redis://", "rediss://")):
+        if url and not url.startswith(("redis://", "rediss://")):  # "" = off (the CLI's --remote-cache off)
             raise ValueError("must start with redis:// or rediss://")
         return url
 
@@ -146,9 +146,17 @@ class Settings(_Section):
                 disk_cache_mb=max(1, self.cache.disk.capacity_mb),
                 tier_policy=self.cache.eviction,
                 flush_on_shutdown_s=min(10.0, self.server.shutdown_timeout_s + 5.0),
+                **self._remote_fields(),
             )
         except ValueError as exc:
             raise ConfigError(f"invalid engine configuration: {exc}") from exc
+
+    def _remote_fields(self) -> dict[str, Any]:
+        remote = self.cache.remote
+        if remote is None or not remote.url:
+            return {}
+        return {"remote_cache_url": remote.url, "remote_cluster": remote.cluster, "remote_ttl_s": remote.ttl_s,
+                "remote_write": remote.write}
 
     def tenant_registry(self, env: Mapping[str, str] | None = None) -> TenantRegistry:
         """Hash the keys and derive the salts (loads or creates the server secret)."""
@@ -162,13 +170,6 @@ class Settings(_Section):
             return TenantRegistry.build(specs, secret, self.admin.api_key)
         except ValueError as exc:
             raise ConfigError(f"invalid tenants configuration: {exc}") from exc
-
-    def inactive_tiers(self) -> list[str]:
-        """Configured cache tiers beyond the device that this version does not run."""
-        tiers = []
-        if self.cache.remote is not None:
-            tiers.append("remote")
-        return tiers
 
 
 def _format_errors(exc: ValidationError) -> str:
@@ -221,10 +222,6 @@ def load_settings(config: str | os.PathLike[str] | None = None, overrides: Mappi
 
 def log_settings_warnings(settings: Settings) -> None:
     """Warn about configured features this version accepts but does not run."""
-    tiers = settings.inactive_tiers()
-    if tiers:
-        logger.warning("the remote cache tier is not enabled in this version (host and disk are); "
-                       "ignoring configured tiers=%s", ",".join(tiers))
     quotas = [t.name for t in settings.tenants if any(v is not None for v in t.quota.model_dump().values())]
     if quotas:
         logger.warning("per-tenant block quotas are not enforced in this version; "

@@ -56,6 +56,9 @@ class KVCacheManager:
         """Blocks referenced by at least one live request."""
         return self.pool.num_blocks - self.pool.num_free_blocks
 
+    def blocks(self, request_id: str) -> list[Block]:
+        return list(self._tables.get(request_id, ()))
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._tables.get(request_id, ())]
 

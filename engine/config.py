@@ -34,6 +34,11 @@ class EngineConfig:
     disk_cache_mb: int = 10240
     tier_policy: str = "lru"  # lru | s3fifo, for host and disk
     flush_on_shutdown_s: float = 10.0  # write device and host blocks to disk when stopping
+    remote_cache_url: str | None = None  # redis:// or rediss://
+    remote_cluster: bool = False
+    remote_ttl_s: int = 86400
+    remote_write: str = "through"  # through: as computed | back: when leaving host
+    remote_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -45,6 +50,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.host_cache_mb < 0 or self.disk_cache_mb <= 0:
             raise ValueError("host_cache_mb must be >= 0 and disk_cache_mb > 0")
+        if self.remote_write not in ("through", "back"):
+            raise ValueError(f"remote_write must be through or back, got {self.remote_write!r}")
         if self.tier_policy not in ("lru", "s3fifo"):
             raise ValueError(f"tier_policy must be lru or s3fifo, got {self.tier_policy!r}")
         if self.num_blocks < 2:

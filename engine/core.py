@@ -22,6 +22,7 @@ from cache.tiers.chain import TierChain
 from cache.tiers.codec import BlockFormat
 from cache.tiers.disk import DiskTier
 from cache.tiers.host import HostTier
+from cache.tiers.remote import RemoteTier
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.limits import RequestLimits
@@ -122,10 +123,15 @@ class EngineCore:
                             pin=self.storage.device.type == "cuda")
         if config.disk_cache_path:
             disk = DiskTier(config.disk_cache_path, config.disk_cache_mb << 20, fmt, config.tier_policy)
-        if host is None and disk is None:
+        remote = None
+        if config.remote_cache_url:
+            remote = RemoteTier(config.remote_cache_url, fmt, config.remote_ttl_s, config.remote_cluster,
+                                config.remote_timeout_s)
+        if host is None and disk is None and remote is None:
             return None
-        logger.info("cache tiers host_mb=%d disk=%s", config.host_cache_mb, disk.dir if disk else None)
-        return TierChain(host, disk)
+        logger.info("cache tiers host_mb=%d disk=%s remote=%s", config.host_cache_mb, disk.dir if disk else None,
+                    remote._safe_url() if remote else None)
+        return TierChain(host, disk, remote=remote, remote_write=config.remote_write)
 
     def _demote(self, block: Any, block_hash: bytes) -> None:
         assert self.chain is not None
@@ -141,7 +147,7 @@ class EngineCore:
     def _start_prefetch(self, request_id: str, seq: Sequence) -> bool:
         """If the prompt's prefix continues on disk, start loading it; True = the request waits."""
         chain = self.chain
-        if chain is None or chain.disk is None or not self.config.enable_prefix_caching:
+        if chain is None or chain.io is None or not self.config.enable_prefix_caching:
             return False
         max_blocks = min(len(seq.block_hashes), max(0, seq.num_tokens - 1) // self.block_size)
         keys = seq.block_hashes[:max_blocks]
@@ -153,7 +159,20 @@ class EngineCore:
         if not rest:
             return False
         need = chain.plan_prefetch(rest, self.block_size, self._prefill_tps)
-        return chain.prefetch(request_id, need, also_wait_for=rest)
+        remote_keys = rest[chain.local_end(rest):] if chain.remote is not None else []
+        return chain.prefetch(request_id, need, also_wait_for=rest, remote_keys=remote_keys,
+                              block_tokens=self.block_size, prefill_tokens_per_s=self._prefill_tps)
+
+    def _write_through(self, work: list[ScheduledSeq]) -> None:
+        """Send the blocks this step filled to the remote tier (write-through mode)."""
+        assert self.chain is not None
+        items = []
+        for s in work:
+            lo, hi = s.start // self.block_size, (s.start + s.num_new) // self.block_size
+            for block in self.manager.blocks(s.seq.seq_id)[lo:hi]:
+                if block.block_hash is not None:
+                    items.append((block.block_hash, self.storage.read_block(block.block_id)))
+        self.chain.write_remote(items)
 
     def poll_loads(self) -> int:
         """Admit the requests whose disk loads finished; returns how many."""
@@ -286,6 +305,8 @@ class EngineCore:
         for s in work:
             s.seq.num_computed_tokens += s.num_new
             self.counters.computed_tokens += s.num_new
+        if self.chain is not None and self.chain.writes_through:
+            self._write_through(work)
         outputs: list[SeqOutput] = []
         if sample_rows:
             sampled = [work[i] for i in sample_rows]

@@ -32,3 +32,72 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_loaded(tiny_model_dir: Path) -> LoadedModel:
     """The tiny model loaded through `load_model` (float32, device auto)."""
     return load_model(str(tiny_model_dir))
+
+
+class RedisServer:
+    """A private `redis-server` on a free loopback port (never the machine's shared one)."""
+
+    def __init__(self, folder: Path) -> None:
+        import shutil
+        import socket
+        import subprocess
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not installed: `apt-get install redis-server` (.ci/run does this)")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._log = (folder / "redis.log").open("w")
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(folder), "--protected-mode", "yes"], stdout=self._log, stderr=subprocess.STDOUT)
+        self.wait_ready()
+
+    def client(self):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+
+    def wait_ready(self, timeout_s: float = 15.0) -> None:
+        import time
+
+        import redis
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with self.client() as client:
+                    client.ping()
+                return
+            except redis.RedisError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server on port {self.port} did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    """One private redis-server for the session; stopped at the end."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def redis_url(redis_server: RedisServer) -> str:
+    """The private server's URL, emptied before the test (it is ours alone)."""
+    with redis_server.client() as client:
+        client.flushall()
+    return redis_server.url

@@ -22,15 +22,17 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from cache.tiers.disk import DiskTier
 from cache.tiers.host import HostTier
+from cache.tiers.remote import RemoteTier
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +47,6 @@ class ChainStats:
     recompute_chosen: int = 0
     dropped_writes: int = 0
     flushed_blocks: int = 0
-
-
-@dataclass(slots=True)
-class _Waiter:
-    token: Hashable
-    pending: set[bytes]
-    started: float = field(default_factory=time.monotonic)
 
 
 class IOLoop:
@@ -80,22 +75,34 @@ class IOLoop:
 class TierChain:
     """Host and disk tiers below one device pool (either may be absent)."""
 
-    def __init__(self, host: HostTier | None, disk: DiskTier | None, max_pending_writes: int = 256) -> None:
+    def __init__(self, host: HostTier | None, disk: DiskTier | None, max_pending_writes: int = 256,
+                 remote: RemoteTier | None = None, remote_write: str = "through") -> None:
         self.host = host
         self.disk = disk
+        self.remote = remote
+        self.remote_write = remote_write
         self.max_pending_writes = max_pending_writes
         self.stats = ChainStats()
-        self.io = IOLoop() if disk is not None else None
+        self.io = IOLoop() if disk is not None or remote is not None else None
         self._pending_writes = 0
         self._write_lock = threading.Lock()
-        self._completed: queue.SimpleQueue[tuple[bytes, bytes | None]] = queue.SimpleQueue()
-        self._inflight: set[bytes] = set()
-        self._waiters: list[_Waiter] = []
-        self._staged: dict[bytes, bytes] = {}  # disk loads waiting for a host slot when host is off
+        # ("block", key, payload | None) and ("done", token, None), in the order they happened
+        self._events: queue.SimpleQueue[tuple[str, Any, bytes | None]] = queue.SimpleQueue()
+        self._inflight: set[bytes] = set()  # disk keys being read (step-loop view)
+        self._reads: dict[bytes, asyncio.Future[None]] = {}  # the same, on the I/O loop
+        self._jobs: set[Hashable] = set()
+        self._job_started: dict[Hashable, float] = {}
+        self._staged: dict[bytes, bytes] = {}  # loads waiting for a host slot when host is off
+        self._remote_sent: OrderedDict[bytes, None] = OrderedDict()  # recently written to remote
 
     @property
-    def tiers(self) -> list[HostTier | DiskTier]:
-        return [t for t in (self.host, self.disk) if t is not None]
+    def tiers(self) -> list[Any]:
+        return [t for t in (self.host, self.disk, self.remote) if t is not None]
+
+    @property
+    def writes_through(self) -> bool:
+        """Whether freshly computed blocks go to the remote tier at once (vs when leaving host)."""
+        return self.remote is not None and self.remote_write == "through"
 
     # ---- demotion (step loop) -----------------------------------------------------------------
     def demote(self, key: bytes, src: torch.Tensor) -> None:
@@ -104,10 +111,13 @@ class TierChain:
         if self.host is not None:
             for victim, payload in self.host.put(key, src):
                 self._write(victim, payload)
-        elif self.disk is not None:
+        elif self.disk is not None or self.remote is not None:
             self._write(key, src.cpu().numpy().tobytes())
 
     def _write(self, key: bytes, payload: bytes) -> None:
+        """A block leaves host memory: to disk, and to the remote tier when it writes back."""
+        if self.remote is not None and self.remote_write == "back":
+            self.write_remote([(key, payload)])
         if self.disk is None or self.io is None:
             return
         with self._write_lock:
@@ -122,6 +132,24 @@ class TierChain:
             self._pending_writes -= 1
         if not future.cancelled() and future.exception() is not None:
             logger.error("disk cache write failed: %s", future.exception())
+
+    def write_remote(self, items: list[tuple[bytes, bytes]]) -> None:
+        """Send blocks to the remote tier in one pipeline (dropped and counted past the bound)."""
+        if self.remote is None or self.io is None or not items:
+            return
+        fresh = [(k, p) for k, p in items if k not in self._remote_sent]
+        if not fresh:
+            return
+        with self._write_lock:
+            if self._pending_writes >= self.max_pending_writes:
+                self.stats.dropped_writes += len(fresh)
+                return
+            self._pending_writes += 1
+        for key, _ in fresh:
+            self._remote_sent[key] = None
+            if len(self._remote_sent) > 65536:
+                self._remote_sent.popitem(last=False)
+        self.io.submit(self.remote.put(fresh)).add_done_callback(self._write_done)
 
     @property
     def pending_writes(self) -> int:
@@ -143,7 +171,7 @@ class TierChain:
     def on_lower_tier(self, key: bytes) -> bool:
         return (self.host is not None and key in self.host) or key in self._staged
 
-    # ---- disk prefetch (step loop submits, I/O loop reads) ------------------------------------
+    # ---- prefetch from disk and remote (step loop submits, I/O loop reads) --------------------
     def plan_prefetch(self, keys: Iterable[bytes], block_tokens: int, prefill_tokens_per_s: float | None) -> list[bytes]:
         """The disk-resident blocks that continue a prefix past the host tier, if loading them
         is predicted faster than recomputing their tokens; else []."""
@@ -156,52 +184,113 @@ class TierChain:
             if key not in self.disk:
                 break
             need.append(key)
-        if need and prefill_tokens_per_s:
-            load_s = self.disk.rate.predict_s(len(need) * self.disk.fmt.record_size, len(need))
-            compute_s = len(need) * block_tokens / prefill_tokens_per_s
-            if load_s >= compute_s:
-                self.stats.recompute_chosen += 1
-                return []
+        if need and not self._worth_loading(self.disk, len(need), block_tokens, prefill_tokens_per_s):
+            self.stats.recompute_chosen += 1
+            return []
         return need
 
-    def prefetch(self, token: Hashable, keys: list[bytes], also_wait_for: Iterable[bytes] = ()) -> bool:
-        """Start loading ``keys`` from disk; ``token`` is released by ``poll`` when all arrived.
+    def local_end(self, keys: list[bytes]) -> int:
+        """How many leading ``keys`` the host, a staged load, a read in flight or the disk can supply."""
+        for i, key in enumerate(keys):
+            if not (self.on_lower_tier(key) or key in self._inflight or (self.disk is not None and key in self.disk)):
+                return i
+        return len(keys)
+
+    @staticmethod
+    def _worth_loading(tier: Any, blocks: int, block_tokens: int, prefill_tokens_per_s: float | None) -> bool:
+        if not prefill_tokens_per_s:
+            return True
+        load_s = tier.rate.predict_s(blocks * tier.fmt.record_size, blocks)
+        return load_s < blocks * block_tokens / prefill_tokens_per_s
+
+    def prefetch(self, token: Hashable, keys: list[bytes], also_wait_for: Iterable[bytes] = (),
+                 remote_keys: Iterable[bytes] = (), block_tokens: int = 16,
+                 prefill_tokens_per_s: float | None = None) -> bool:
+        """Start loading ``keys`` from disk (and look up ``remote_keys`` in the remote tier);
+        ``poll`` releases ``token`` once everything it waits for has arrived.
 
         Returns False when there is nothing to wait for.
         """
-        assert self.disk is not None and self.io is not None
-        pending = set(keys) | {k for k in also_wait_for if k in self._inflight}
-        if not pending:
+        waits = [k for k in also_wait_for if k in self._inflight and k not in keys]
+        remote = list(remote_keys) if self.remote is not None else []
+        if not keys and not waits and not remote:
             return False
-        for key in keys:
-            if key not in self._inflight:
-                self._inflight.add(key)
-                self.io.submit(self._read(key))
-        self._waiters.append(_Waiter(token, pending))
+        assert self.io is not None
+        self._inflight.update(keys)
+        self._jobs.add(token)
+        self._job_started[token] = time.monotonic()
+        self.io.submit(self._job(token, list(keys), waits, remote, block_tokens, prefill_tokens_per_s))
         self.stats.prefetches += 1
         return True
 
-    async def _read(self, key: bytes) -> None:
+    async def _job(self, token: Hashable, keys: list[bytes], waits: list[bytes], remote_keys: list[bytes],
+                   block_tokens: int, prefill_tokens_per_s: float | None) -> None:
+        try:
+            reads = [self._disk_read(key) for key in keys]
+            reads += [self._reads[k] for k in waits if k in self._reads]
+            await asyncio.gather(*reads, return_exceptions=True)
+            if remote_keys and self.remote is not None:
+                await self._remote_fetch(remote_keys, block_tokens, prefill_tokens_per_s)
+        except Exception:  # never leave a waiter hanging
+            logger.exception("cache prefetch failed")
+        finally:
+            self._events.put(("done", token, None))
+
+    def _disk_read(self, key: bytes) -> asyncio.Future[None]:
+        """One read per key, shared by every job that wants it (runs on the I/O loop)."""
+        future = self._reads.get(key)
+        if future is None:
+            future = asyncio.ensure_future(self._read_one(key))
+            self._reads[key] = future
+        return future
+
+    async def _read_one(self, key: bytes) -> None:
         assert self.disk is not None
         try:
             payload = await self.disk.read(key)
-        except Exception:  # never leave a waiter hanging
+        except Exception:
             logger.exception("disk cache read failed")
             payload = None
-        self._completed.put((key, payload))
+        finally:
+            self._reads.pop(key, None)
+        self._events.put(("block", key, payload))
+
+    async def _remote_fetch(self, keys: list[bytes], block_tokens: int, prefill_tokens_per_s: float | None) -> None:
+        remote = self.remote
+        assert remote is not None
+        present = await remote.exists(keys)
+        n = 0
+        while n < len(present) and present[n]:
+            n += 1
+        if not n:
+            return
+        if not self._worth_loading(remote, n, block_tokens, prefill_tokens_per_s):
+            self.stats.recompute_chosen += 1
+            return
+        for key, payload in zip(keys[:n], await remote.get(keys[:n]), strict=True):
+            if payload is None:
+                break
+            self._events.put(("block", key, payload))
 
     def poll(self) -> list[Hashable]:
-        """Move finished disk loads into host memory; return the tokens whose loads are all done."""
-        if not self._waiters and self._completed.empty():
+        """Move finished loads into host memory; return the tokens whose loads are all done."""
+        if not self._jobs and self._events.empty():
             return []
-        arrived: set[bytes] = set()
+        ready: list[Hashable] = []
+        now = time.monotonic()
         while True:
             try:
-                key, payload = self._completed.get_nowait()
+                kind, item, payload = self._events.get_nowait()
             except queue.Empty:
                 break
+            if kind == "done":
+                if item in self._jobs:
+                    self._jobs.discard(item)
+                    ready.append(item)
+                    self.stats.prefetch_wait_s += now - self._job_started.pop(item, now)
+                continue
+            key = item
             self._inflight.discard(key)
-            arrived.add(key)
             if payload is None:
                 continue
             self.stats.prefetched_blocks += 1
@@ -210,27 +299,15 @@ class TierChain:
                     self._write(victim, evicted)
             else:
                 self._staged[key] = payload
-        if not arrived:
-            return []
-        ready: list[Hashable] = []
-        now = time.monotonic()
-        still: list[_Waiter] = []
-        for waiter in self._waiters:
-            waiter.pending -= arrived
-            if waiter.pending:
-                still.append(waiter)
-            else:
-                ready.append(waiter.token)
-                self.stats.prefetch_wait_s += now - waiter.started
-        self._waiters = still
         return ready
 
     @property
     def loading(self) -> bool:
-        return bool(self._waiters)
+        return bool(self._jobs)
 
     def cancel(self, token: Hashable) -> None:
-        self._waiters = [w for w in self._waiters if w.token != token]
+        self._jobs.discard(token)
+        self._job_started.pop(token, None)
 
     # ---- shutdown ---------------------------------------------------------------------------
     def flush(self, blocks: Iterable[tuple[bytes, Callable[[], bytes]]], timeout_s: float) -> int:
@@ -243,11 +320,13 @@ class TierChain:
         sources: list[tuple[bytes, Callable[[], bytes | None]]] = list(blocks)
         if self.host is not None:
             sources += [(key, functools.partial(self.host.payload, key)) for key in self.host.keys()]
+        seen: set[bytes] = set()
         for key, get in sources:
-            if key in self.disk or time.monotonic() > deadline:
+            if key in seen or key in self.disk or time.monotonic() > deadline:
                 continue
             payload = get()
             if payload is not None:
+                seen.add(key)  # the device and the (inclusive) host may both hold it: write it once
                 futures.append(self.io.submit(self.disk.write(key, payload)))
         written = 0
         for future in futures:
@@ -266,6 +345,11 @@ class TierChain:
 
     def close(self) -> None:
         if self.io is not None:
+            if self.remote is not None:
+                try:
+                    self.io.submit(self.remote.close()).result(timeout=5)
+                except Exception:  # closing a dead connection may fail; the loop stops anyway
+                    pass
             self.io.close()
             self.io = None
 
@@ -279,6 +363,10 @@ class TierChain:
                               "load_bytes_per_s": tier.rate.bytes_per_s, "load_latency_s": tier.rate.latency_s}
         if self.disk is not None:
             out["disk"]["path"] = str(self.disk.dir)
+        if self.remote is not None:
+            out["remote"].update(url=self.remote._safe_url(), breaker=self.remote.breaker.state,
+                                 breaker_trips=self.remote.breaker.trips, write=self.remote_write,
+                                 exists_checks=self.remote.exists_checks, exists_time_s=self.remote.exists_time_s)
         return out
 
 

@@ -149,6 +149,7 @@ class DiskTier:
 
     async def write(self, key: bytes, payload: bytes | memoryview) -> bool:
         """Store a block atomically; True if it is on disk afterwards."""
+        record = encode(self.fmt, key, payload)  # before reserving: a bad payload must not leak a slot
         with self._lock:
             if key in self._index:
                 self.policy.touch(key)
@@ -159,7 +160,6 @@ class DiskTier:
                     return False
                 self._drop(self.policy.evict())  # type: ignore[arg-type]
             self._reserved += 1
-        record = encode(self.fmt, key, payload)
         final = self.path_of(key)
         tmp = self.dir / f".{key.hex()[:16]}.{uuid.uuid4().hex[:8]}.tmp"
         t0 = time.perf_counter()
@@ -213,8 +213,8 @@ class DiskTier:
         with self._lock:
             assert len(self.policy) == len(self._index)
             assert len(self._index) <= self.capacity_blocks
-            on_disk = {bytes.fromhex(p.name[:_HASH_HEX]) for p in self.dir.glob("*" + SUFFIX)}
-            assert self._index <= on_disk, "index names files that do not exist"
+            on_disk = {p.name[:_HASH_HEX] for p in self.dir.glob("*" + SUFFIX)}  # foreign names too
+            assert {k.hex() for k in self._index} <= on_disk, "index names files that do not exist"
 
 
 def _unlink(path: str | Path) -> None:

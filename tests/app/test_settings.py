@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
 
-from app.settings import ConfigError, load_settings, log_settings_warnings
+from app.settings import ConfigError, load_settings
 
 
 def _write(tmp_path: Path, text: str) -> str:
@@ -90,7 +89,7 @@ def test_host_and_disk_tiers_are_on_by_default(tmp_path: Path, monkeypatch: pyte
         load_settings(_write(tmp_path, '[cache]\neviction = "mru"\n'), env={})
 
 
-def test_remote_tier_accepted_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_remote_tier_settings_reach_the_engine(tmp_path: Path) -> None:
     path = _write(tmp_path, """
 [cache.host]
 capacity_mb = 1024
@@ -103,12 +102,14 @@ cluster = true
 ttl_s = 60
 write = "back"
 """)
-    settings = load_settings(path, env={})
-    assert settings.inactive_tiers() == ["remote"]
-    with caplog.at_level(logging.WARNING):
-        log_settings_warnings(settings)
-    assert "remote cache tier is not enabled in this version" in caplog.text
-    assert load_settings(_write(tmp_path, "[cache.host]\ncapacity_mb = 0\n"), env={}).inactive_tiers() == []
+    config = load_settings(path, env={}).engine_config()
+    assert (config.remote_cache_url, config.remote_cluster, config.remote_ttl_s, config.remote_write) == (
+        "rediss://cache:6380/1", True, 60, "back")
+    assert load_settings(env={}).engine_config().remote_cache_url is None
+    off = load_settings(path, overrides={"cache.remote.url": ""}, env={})
+    assert off.engine_config().remote_cache_url is None
+    with pytest.raises(ConfigError, match="redis://"):
+        load_settings(_write(tmp_path, '[cache.remote]\nurl = "http://x"\n'), env={})
 
 
 def test_tenants_config_builds_a_registry(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ survives a server restart on the disk tier; `cached_tokens` says so and the text
 from __future__ import annotations
 
 import random
+import time
 
 import httpx
 
@@ -67,3 +68,21 @@ def test_a_prefix_survives_a_restart_on_the_disk_tier(start_server, tmp_path) ->
     assert cached == 288  # 18 full blocks of 16
     disk = _tiers(second.url)["disk"]
     assert disk["hits"] >= 18 and disk["path"].startswith(folder)
+
+
+def test_two_servers_on_one_redis_share_a_prefix(start_server, redis_url) -> None:
+    args = ("--model", "tiny", "--disk-cache", "off", "--remote-cache", redis_url)
+    one, two = start_server(*args), start_server(*args)
+    prompt = _ids(5, 300)
+    cold, cached = _complete(one.url, prompt)
+    assert cached == 0
+    for _ in range(100):  # write-through is asynchronous: wait until the blocks are in Redis
+        if _tiers(one.url)["remote"]["puts"] >= 18 and _tiers(one.url)["chain"]["pending_writes"] == 0:
+            break
+        time.sleep(0.05)
+    warm, cached = _complete(two.url, prompt)
+    assert warm == cold
+    assert cached == 288
+    remote = _tiers(two.url)["remote"]
+    assert remote["hits"] >= 18 and remote["breaker"] == "closed"
+    assert "secret" not in remote["url"]

@@ -163,3 +163,51 @@ def test_abort_while_loading_from_disk_frees_everything(tiny_model_dir: Path, tm
         assert not core.has_work() and core.manager.num_blocks_in_use == 0
     finally:
         core.close()
+
+
+def _drain_remote_writes(core: EngineCore) -> None:
+    assert core.chain.drain_writes(30)
+
+
+def test_a_new_engine_with_an_empty_disk_but_the_same_redis_serves_from_remote(
+        tiny_model_dir: Path, tmp_path: Path, redis_url: str) -> None:
+    a = prompt(6)
+    first = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv1"), remote_cache_url=redis_url)
+    try:
+        cold, _ = run(first, "a1", a)
+        _drain_remote_writes(first)  # write-through: the blocks went out as they were computed
+        assert first.stats()["tiers"]["remote"]["puts"] >= 30
+    finally:
+        first.close()
+    second = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv2"), remote_cache_url=redis_url)
+    try:
+        warm, cached = run(second, "a2", a)
+        assert warm == cold and cached == 120
+        tiers = second.stats()["tiers"]
+        assert tiers["remote"]["hits"] >= 30 and tiers["disk"]["hits"] == 0
+        assert tiers["remote"]["exists_checks"] >= 1 and tiers["remote"]["breaker"] == "closed"
+    finally:
+        second.close()
+
+
+def test_with_redis_dead_every_request_still_succeeds_and_the_fault_is_counted(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    reference = make_engine(tiny_model_dir, host_cache_mb=0)
+    try:
+        expected, _ = run(reference, "ref", prompt(7))
+    finally:
+        reference.close()
+    core = make_engine(tiny_model_dir, remote_cache_url=f"redis://127.0.0.1:{port}/0", remote_timeout_s=0.2)
+    try:
+        for i in range(3):
+            got, cached = run(core, f"x{i}", prompt(7))
+            assert got == expected
+        remote = core.stats()["tiers"]["remote"]
+        assert remote["errors"] >= 1 and remote["hits"] == 0
+    finally:
+        core.close()

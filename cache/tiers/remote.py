@@ -1,0 +1,208 @@
+"""RemoteTier: KV blocks in Redis (or Redis Cluster), shared by every replica on the same store.
+
+    key   kvgate:<model fingerprint hex>:<block hash hex>      (no token ids, no text, no tenant)
+    value a `codec` record (header + payload), with a TTL
+
+All calls are coroutines for the chain's I/O loop, batched in pipelines (one round trip for the
+existence check of a whole prompt, one for its loads, one per batch of writes). A slow or dead
+Redis must never fail or stall a request: every batch has a timeout, and a circuit breaker opens
+after ``failures_to_open`` consecutive failures — for ``open_s`` seconds every call answers
+"miss" at once — then lets one probe through; a success closes it again. Corrupt or foreign
+records are misses, deleted and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from cache.tiers.codec import BlockFormat, CorruptBlockError, decode, encode
+from cache.tiers.stats import RateEstimate, TierStats
+
+logger = logging.getLogger(__name__)
+
+
+class CircuitBreaker:
+    """closed → (N failures) → open for a while → half-open (one probe) → closed or open."""
+
+    def __init__(self, failures_to_open: int = 3, open_s: float = 5.0) -> None:
+        self.failures_to_open = failures_to_open
+        self.open_s = open_s
+        self.failures = 0
+        self.opened_at: float | None = None
+        self.trips = 0
+
+    @property
+    def state(self) -> str:
+        if self.opened_at is None:
+            return "closed"
+        return "open" if time.monotonic() - self.opened_at < self.open_s else "half-open"
+
+    def allow(self) -> bool:
+        return self.state != "open"
+
+    def success(self) -> None:
+        if self.opened_at is not None:
+            logger.info("remote cache reachable again; circuit closed")
+        self.failures = 0
+        self.opened_at = None
+
+    def failure(self) -> None:
+        self.failures += 1
+        if self.opened_at is not None or self.failures >= self.failures_to_open:
+            if self.opened_at is None:
+                self.trips += 1
+            self.opened_at = time.monotonic()
+
+
+class RemoteTier:
+    name = "remote"
+
+    def __init__(self, url: str, fmt: BlockFormat, ttl_s: int = 86400, cluster: bool = False,
+                 timeout_s: float = 0.5, failures_to_open: int = 3, open_s: float = 5.0) -> None:
+        self.url = url
+        self.fmt = fmt
+        self.ttl_s = ttl_s
+        self.cluster = cluster
+        self.timeout_s = timeout_s
+        self.prefix = f"kvgate:{fmt.fingerprint.hex()}:"
+        self.breaker = CircuitBreaker(failures_to_open, open_s)
+        self.stats = TierStats()
+        self.rate = RateEstimate(bytes_per_s=300e6, latency_s=1e-3)
+        self.capacity_blocks = 0  # bounded by Redis (maxmemory) and the TTL, not by KVGate
+        self.policy_name = "ttl"
+        self.exists_checks = 0
+        self.exists_time_s = 0.0
+        self._client: Any = None
+        self._logged = False
+
+    def key(self, block_hash: bytes) -> str:
+        return self.prefix + block_hash.hex()
+
+    def __len__(self) -> int:
+        return 0  # unknown without a scan; see stats
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    def _connect(self) -> Any:
+        if self._client is None:
+            kwargs: dict[str, Any] = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s)
+            if self.cluster:
+                from redis.asyncio.cluster import RedisCluster
+
+                self._client = RedisCluster.from_url(self.url, **kwargs)
+            else:
+                from redis.asyncio import Redis
+
+                self._client = Redis.from_url(self.url, **kwargs)
+        return self._client
+
+    async def _run(self, build: Any) -> list[Any] | None:
+        """Run one pipeline under the timeout and the breaker; None = failed (counted)."""
+        if not self.breaker.allow():
+            return None
+        try:
+            client = self._connect()
+            pipe = client.pipeline(transaction=False)
+            build(pipe)
+            result = await asyncio.wait_for(pipe.execute(), self.timeout_s)
+        except Exception as exc:  # timeouts, connection refused, cluster errors: all degrade to a miss
+            self.stats.errors += 1
+            was_closed = self.breaker.state == "closed"
+            self.breaker.failure()
+            if was_closed and self.breaker.state == "open" or not self._logged:
+                self._logged = True
+                logger.warning("remote cache %s unavailable (%s: %s); requests recompute, breaker %s",
+                               self._safe_url(), type(exc).__name__, exc, self.breaker.state)
+            await self._reset()
+            return None
+        self.breaker.success()
+        return list(result)
+
+    async def _reset(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                await asyncio.wait_for(client.aclose(), self.timeout_s)
+            except Exception:  # a dead connection may fail to close; it is dropped either way
+                pass
+
+    def _safe_url(self) -> str:
+        url = self.url
+        if "@" in url:  # never log a password
+            scheme, rest = url.split("://", 1)
+            url = f"{scheme}://***@{rest.split('@', 1)[1]}"
+        return url
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which of ``keys`` the store holds (one pipelined round trip); all False when down."""
+        if not keys:
+            return []
+        t0 = time.perf_counter()
+        result = await self._run(lambda pipe: [pipe.exists(self.key(k)) for k in keys])
+        self.exists_checks += 1
+        self.exists_time_s += time.perf_counter() - t0
+        if result is None:
+            return [False] * len(keys)
+        return [bool(r) for r in result]
+
+    async def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Payloads for ``keys`` (None for a miss, an invalid record, or a store that is down)."""
+        if not keys:
+            return []
+        t0 = time.perf_counter()
+        result = await self._run(lambda pipe: [pipe.get(self.key(k)) for k in keys])
+        elapsed = time.perf_counter() - t0
+        if result is None:
+            self.stats.misses += len(keys)
+            return [None] * len(keys)
+        out: list[bytes | None] = []
+        bad: list[bytes] = []
+        nbytes = 0
+        for key, data in zip(keys, result, strict=True):
+            if data is None:
+                self.stats.misses += 1
+                out.append(None)
+                continue
+            try:
+                out.append(decode(self.fmt, key, data).tobytes())
+                nbytes += len(data)
+                self.stats.hits += 1
+            except CorruptBlockError as exc:
+                logger.warning("remote cache: block %s is unusable (%s); deleted", key.hex()[:16], exc)
+                self.stats.corrupt += 1
+                self.stats.misses += 1
+                bad.append(key)
+                out.append(None)
+        self.stats.reads += 1
+        self.stats.read_time_s += elapsed
+        self.stats.bytes_read += nbytes
+        if nbytes:
+            self.rate.observe(nbytes, elapsed, ops=len(keys))
+        if bad:
+            await self._run(lambda pipe: [pipe.delete(self.key(k)) for k in bad])
+        return out
+
+    async def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Store blocks with the TTL (one pipeline); returns how many were sent successfully."""
+        if not items:
+            return 0
+        records = [(self.key(k), encode(self.fmt, k, payload)) for k, payload in items]
+        t0 = time.perf_counter()
+        result = await self._run(lambda pipe: [pipe.set(k, v, ex=self.ttl_s) for k, v in records])
+        if result is None:
+            self.stats.dropped += len(items)
+            return 0
+        self.stats.puts += len(items)
+        self.stats.writes += 1
+        self.stats.write_time_s += time.perf_counter() - t0
+        self.stats.bytes_written += sum(len(v) for _, v in records)
+        return len(items)
+
+    async def close(self) -> None:
+        await self._reset()

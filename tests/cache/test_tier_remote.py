@@ -1,0 +1,128 @@
+"""RemoteTier on a real redis-server: batched round trips, key format, TTL, corrupt records, and a
+store that is dead or frozen degrades to misses within the timeout, then recovers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from cache.tiers.codec import BlockFormat, encode
+from cache.tiers.remote import RemoteTier
+
+FMT = BlockFormat(bytes(range(32)), "float32", (2, 4))
+PAYLOAD = bytes(range(32))
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_put_exists_get_round_trip_with_the_documented_keys_and_a_ttl(redis_url, redis_server) -> None:
+    async def main() -> None:
+        tier = RemoteTier(redis_url, FMT, ttl_s=120)
+        try:
+            assert await tier.put([(key(1), PAYLOAD), (key(2), PAYLOAD[::-1])]) == 2
+            assert await tier.exists([key(1), key(3), key(2)]) == [True, False, True]
+            assert await tier.get([key(1), key(2), key(3)]) == [PAYLOAD, PAYLOAD[::-1], None]
+            assert tier.stats.hits == 2 and tier.stats.misses == 1 and tier.stats.puts == 2
+        finally:
+            await tier.close()
+
+    run(main())
+    with redis_server.client() as client:
+        keys = sorted(k.decode() for k in client.keys("*"))
+        assert keys == [f"kvgate:{FMT.fingerprint.hex()}:{key(i).hex()}" for i in (1, 2)]
+        assert 0 < client.ttl(keys[0]) <= 120
+        value = client.get(keys[0])
+        assert value == encode(FMT, key(1), PAYLOAD)  # header + bytes: no token ids, no text
+
+
+def test_a_corrupt_or_foreign_record_is_a_miss_and_deleted(redis_url, redis_server) -> None:
+    tier = RemoteTier(redis_url, FMT)
+    name = tier.key(key(5))
+    other = BlockFormat(bytes(32), "float32", (2, 4))
+    with redis_server.client() as client:
+        client.set(name, encode(other, key(5), PAYLOAD))  # another model's block under our key
+        client.set(tier.key(key(6)), b"garbage")
+
+    async def main() -> list:
+        try:
+            return await tier.get([key(5), key(6)])
+        finally:
+            await tier.close()
+
+    assert run(main()) == [None, None]
+    assert tier.stats.corrupt == 2
+    with redis_server.client() as client:
+        assert client.exists(name) == 0
+
+
+def test_a_dead_store_is_a_fast_miss_and_opens_the_breaker(tmp_path) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens here
+
+    async def main() -> None:
+        tier = RemoteTier(f"redis://127.0.0.1:{port}/0", FMT, timeout_s=0.3, failures_to_open=2, open_s=60)
+        try:
+            for _ in range(2):
+                assert await tier.get([key(1)]) == [None]
+            assert tier.breaker.state == "open" and tier.stats.errors == 2
+            t0 = time.monotonic()
+            assert await tier.exists([key(1), key(2)]) == [False, False]
+            assert await tier.put([(key(1), PAYLOAD)]) == 0
+            assert time.monotonic() - t0 < 0.2  # open breaker: no connection attempt at all
+            assert tier.stats.errors == 2 and tier.stats.dropped == 1
+        finally:
+            await tier.close()
+
+    run(main())
+
+
+def test_a_frozen_store_times_out_then_service_recovers(redis_url, redis_server) -> None:
+    async def main() -> None:
+        tier = RemoteTier(redis_url, FMT, timeout_s=0.3, failures_to_open=1, open_s=0.2)
+        try:
+            assert await tier.put([(key(1), PAYLOAD)]) == 1
+            os.kill(redis_server.proc.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                assert await tier.get([key(1)]) == [None]
+                assert time.monotonic() - t0 < 2.0  # bounded by the timeout, not hung
+                assert tier.breaker.state == "open"
+            finally:
+                os.kill(redis_server.proc.pid, signal.SIGCONT)
+            await asyncio.sleep(0.3)  # half-open: the next call probes
+            for _ in range(20):
+                if await tier.get([key(1)]) == [PAYLOAD]:
+                    break
+                await asyncio.sleep(0.1)
+            assert tier.breaker.state == "closed"
+            assert tier.stats.hits >= 1 and tier.breaker.trips >= 1
+        finally:
+            await tier.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("url", ["redis://user:secret@127.0.0.1:1/0"])
+def test_the_password_never_reaches_the_log(url: str, caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        tier = RemoteTier(url, FMT, timeout_s=0.2)
+        try:
+            await tier.get([key(1)])
+        finally:
+            await tier.close()
+
+    run(main())
+    assert "secret" not in caplog.text and "***@127.0.0.1:1/0" in caplog.text
