@@ -1,17 +1,19 @@
 """Operational endpoints: `/health`, `/ready`, and `GET /admin/metrics` (admin key once configured).
 
 The full admin API (archetype, traces, dashboard, Prometheus) is a later issue; this file serves
-what operators and tests need now: liveness, readiness, and the engine's block accounting.
+what operators and tests need now: liveness, readiness, the engine's block accounting, and
+attaching or detaching cache tiers at run time (`/admin/tiers`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
 
-from app.auth import AdminAccess
+from app.auth import AdminAccess, Engine
 
 router = APIRouter(tags=["admin"])
 
@@ -36,6 +38,37 @@ async def ready(request: Request) -> JSONResponse:
     else:
         return JSONResponse({"status": "ready", "model": engine.model_name})
     return JSONResponse({"status": status}, status_code=503)
+
+
+class TierChange(BaseModel):
+    """Body of `POST /admin/tiers`: attach or detach one cache tier of the running engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    action: Literal["attach", "detach"]
+    tier: Literal["host", "disk", "remote"]
+    capacity_mb: int | None = Field(default=None, gt=0)
+    path: str | None = None
+    url: str | None = None
+    cluster: bool | None = None
+    ttl_s: int | None = Field(default=None, gt=0)
+    write: Literal["through", "back"] | None = None
+
+
+@router.get("/admin/tiers", dependencies=[AdminAccess])
+async def get_tiers(engine: Engine) -> dict[str, Any]:
+    """The cache tiers below the device and their counters (as in `/admin/metrics` → `tiers`)."""
+    return {"tiers": (await engine.stats()).get("tiers", {})}
+
+
+@router.post("/admin/tiers", dependencies=[AdminAccess])
+async def change_tier(body: TierChange, engine: Engine) -> dict[str, Any]:
+    """Attach or detach a tier while serving; the other tiers keep what they hold.
+
+    Options not given come from the server's configuration (`[cache.*]`).
+    """
+    options = body.model_dump(exclude={"action", "tier"}, exclude_none=True)
+    return {"tiers": await engine.configure_tier(body.action, body.tier, options)}
 
 
 @router.get("/admin/metrics", dependencies=[AdminAccess])

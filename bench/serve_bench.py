@@ -223,12 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / "serve_bench_logs"
     logs.mkdir(exist_ok=True)
     raw: dict[str, list[dict[str, Any]]] = {"kvgate": [], "vllm": [], "plain": []}
+    import shutil
+
     for run in range(1, args.runs + 1):
         say(f"run {run}/{args.runs}")
         port = free_port()
+        extra = args.kvgate_args.split()
+        if "--disk-cache" not in extra:  # a fresh disk tier per run: seeded prompts must start cold
+            extra += ["--disk-cache", str(logs / f"kv_run{run}_{os.getpid()}")]
         raw["kvgate"].append(run_server(
             "kvgate", [kvgate, "serve", "--model", args.model, "--port", str(port), "--log-level", "warning",
-                       *args.kvgate_args.split()],
+                       *extra],
             dict(os.environ), None, "/ready", 600, args, port,
             logs / f"kvgate_{run}.log"))
         if args.vllm_python is not None:
@@ -239,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                 "/v1/models", args.vllm_start_timeout, args, port, logs / f"vllm_{run}.log"))
         if not args.no_plain:
             raw["plain"].append(run_plain(args.model))
+    for folder in logs.glob(f"kv_run*_{os.getpid()}"):
+        shutil.rmtree(folder, ignore_errors=True)
     results: dict[str, dict[str, float]] = {}
     if raw["plain"]:
         results["plain loop (in process)"] = medians([_plain_figures(d) for d in raw["plain"]])

@@ -202,21 +202,39 @@ class AsyncEngine:
         """
         snapshot = dict(self._last_stats)
         if self._alive and self._loop is not None:
-            token = next(self._stats_tokens)
-            future: asyncio.Future[dict[str, Any]] = self._loop.create_future()
-            self._stats_waiters[token] = future
-            self.backend.send(("stats", token))
             try:
-                snapshot = await asyncio.wait_for(future, STATS_TIMEOUT_S)
+                snapshot = await self._call("stats")
                 self._last_stats = dict(snapshot)
             except (asyncio.TimeoutError, EngineDeadError):
                 pass
-            finally:
-                self._stats_waiters.pop(token, None)
         snapshot["num_streams"] = len(self._streams)
         snapshot["engine"] = {"mode": self.backend.kind, "status": self.status, "restarts": len(self.restarts),
                               "pid": self.info.pid if self.info is not None else None}
         return snapshot
+
+    async def configure_tier(self, action: str, tier: str, options: dict[str, Any]) -> dict[str, Any]:
+        """Attach or detach a cache tier in the running engine; returns the tiers' new stats.
+
+        Raises ``InvalidRequestError`` with the engine's reason when it cannot be done.
+        """
+        if not self.ready:
+            raise EngineNotReadyError("the engine is not ready; retry shortly")
+        reply = await self._call("tiers", action, tier, options)
+        if not reply.get("ok"):
+            raise InvalidRequestError(reply.get("error", "tier change failed"), param="tier")
+        return reply["tiers"]
+
+    async def _call(self, kind: str, *args: Any) -> Any:
+        """Send a command that the engine answers with ("reply", token, value); await the value."""
+        assert self._loop is not None
+        token = next(self._stats_tokens)
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._stats_waiters[token] = future
+        self.backend.send((kind, token, *args))
+        try:
+            return await asyncio.wait_for(future, STATS_TIMEOUT_S)
+        finally:
+            self._stats_waiters.pop(token, None)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop accepting, let in-flight requests finish for up to ``timeout_s``, abort the rest."""
@@ -251,7 +269,7 @@ class AsyncEngine:
             self._dispatch(event[1])
         elif kind == "fail":
             self._fail(event[1], event[2].error() if isinstance(event[2], FailInfo) else event[2])
-        elif kind == "stats":
+        elif kind == "reply":
             future = self._stats_waiters.pop(event[1], None)
             if future is not None and not future.done():
                 future.set_result(event[2])

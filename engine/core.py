@@ -116,22 +116,74 @@ class EngineCore:
 
     # ---- tiers below the device ---------------------------------------------------------------
     def _build_chain(self, config: EngineConfig) -> TierChain | None:
-        host = disk = None
-        fmt = BlockFormat(self.fingerprint, str(self.storage.dtype).removeprefix("torch."), self.storage.block_shape)
-        if config.host_cache_mb > 0:
-            host = HostTier(config.host_cache_mb << 20, self.storage.block_nbytes, config.tier_policy,
-                            pin=self.storage.device.type == "cuda")
-        if config.disk_cache_path:
-            disk = DiskTier(config.disk_cache_path, config.disk_cache_mb << 20, fmt, config.tier_policy)
-        remote = None
-        if config.remote_cache_url:
-            remote = RemoteTier(config.remote_cache_url, fmt, config.remote_ttl_s, config.remote_cluster,
-                                config.remote_timeout_s)
+        host = self._make_tier("host", {}) if config.host_cache_mb > 0 else None
+        disk = self._make_tier("disk", {}) if config.disk_cache_path else None
+        remote = self._make_tier("remote", {}) if config.remote_cache_url else None
         if host is None and disk is None and remote is None:
             return None
         logger.info("cache tiers host_mb=%d disk=%s remote=%s", config.host_cache_mb, disk.dir if disk else None,
                     remote._safe_url() if remote else None)
         return TierChain(host, disk, remote=remote, remote_write=config.remote_write)
+
+    _TIER_OPTIONS = {"host": {"capacity_mb"}, "disk": {"path", "capacity_mb"},
+                     "remote": {"url", "cluster", "ttl_s", "write"}}
+
+    def _make_tier(self, name: str, options: dict[str, Any]) -> Any:
+        """Build a tier from the engine config, ``options`` overriding it; ValueError if invalid."""
+        config = self.config
+        unknown = set(options) - self._TIER_OPTIONS[name]
+        if unknown:
+            raise ValueError(f"unknown option(s) for the {name} tier: {', '.join(sorted(unknown))}; "
+                             f"allowed: {', '.join(sorted(self._TIER_OPTIONS[name]))}")
+        default_mb = (config.host_cache_mb or 1024) if name == "host" else config.disk_cache_mb
+        capacity = options.get("capacity_mb", default_mb)
+        if name in ("host", "disk") and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0):
+            raise ValueError(f"capacity_mb must be a positive integer, got {capacity!r}")
+        if name == "host":
+            return HostTier(capacity << 20, self.storage.block_nbytes, config.tier_policy,
+                            pin=self.storage.device.type == "cuda")
+        fmt = BlockFormat(self.fingerprint, str(self.storage.dtype).removeprefix("torch."), self.storage.block_shape)
+        if name == "disk":
+            path = options.get("path", config.disk_cache_path)
+            if not isinstance(path, str) or not path:
+                raise ValueError("the disk tier needs a path (a folder)")
+            return DiskTier(path, capacity << 20, fmt, config.tier_policy)
+        url = options.get("url", config.remote_cache_url)
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://")):
+            raise ValueError(f"the remote tier needs a url starting with redis:// or rediss://, got {url!r}")
+        ttl = options.get("ttl_s", config.remote_ttl_s)
+        if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl <= 0:
+            raise ValueError(f"ttl_s must be a positive integer, got {ttl!r}")
+        return RemoteTier(url, fmt, ttl, bool(options.get("cluster", config.remote_cluster)), config.remote_timeout_s)
+
+    def configure_tier(self, action: str, name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Attach or detach the host, disk or remote tier while serving; returns the tiers' stats.
+
+        Raises ValueError (bad request) or OSError (e.g. a disk folder that cannot be created).
+        """
+        options = dict(options or {})
+        if name not in self._TIER_OPTIONS:
+            raise ValueError(f"unknown tier {name!r}; use host, disk or remote")
+        if action not in ("attach", "detach"):
+            raise ValueError(f"unknown action {action!r}; use attach or detach")
+        if self.chain is None:
+            self.chain = TierChain(None, None, remote_write=self.config.remote_write)
+            self.manager.pool.on_evict = self._demote
+            self.scheduler.promote = self._promote
+        chain = self.chain
+        if action == "detach":
+            if getattr(chain, name) is None:
+                raise ValueError(f"the {name} tier is not attached")
+            chain.detach(name, self.config.flush_on_shutdown_s)
+        else:
+            if getattr(chain, name) is not None:
+                raise ValueError(f"the {name} tier is already attached; detach it first")
+            write = options.pop("write", None) if name == "remote" else None
+            if write not in (None, "through", "back"):
+                raise ValueError(f"write must be through or back, got {write!r}")
+            chain.attach(name, self._make_tier(name, options), remote_write=write)
+        logger.info("cache tier %s %sed", name, action)
+        return chain.snapshot()
 
     def _demote(self, block: Any, block_hash: bytes) -> None:
         assert self.chain is not None

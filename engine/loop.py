@@ -7,9 +7,9 @@ two cores throttle every parallel region; see docs/serving.md).
 
 Commands (tuples, first element the kind):
     ("add", GenerateRequest)   ("abort", request_id)   ("stop_choice", request_id, index)
-    ("stats", token)           ("shutdown",)
+    ("stats", token)           ("tiers", token, action, tier, options)   ("shutdown",)
 Events out, through the `emit` callable:
-    ("out", list[SeqOutput])   ("fail", request_id, FailInfo)   ("stats", token, dict)
+    ("out", list[SeqOutput])   ("fail", request_id, FailInfo)   ("reply", token, value)
 """
 
 from __future__ import annotations
@@ -110,7 +110,13 @@ class EngineLoop:
             elif kind == "stop_choice":
                 self.core.abort_sequence(command[1], command[2], "stop")
             elif kind == "stats":
-                self.emit(("stats", command[1], self.core.stats()))
+                self.emit(("reply", command[1], self.core.stats()))
+            elif kind == "tiers":
+                try:
+                    tiers = self.core.configure_tier(command[2], command[3], command[4])
+                    self.emit(("reply", command[1], {"ok": True, "tiers": tiers}))
+                except (ValueError, OSError) as exc:
+                    self.emit(("reply", command[1], {"ok": False, "error": str(exc)}))
             elif kind == "shutdown":
                 return False
             else:

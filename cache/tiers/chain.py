@@ -219,35 +219,37 @@ class TierChain:
         self._inflight.update(keys)
         self._jobs.add(token)
         self._job_started[token] = time.monotonic()
-        self.io.submit(self._job(token, list(keys), waits, remote, block_tokens, prefill_tokens_per_s))
+        self.io.submit(self._job(token, list(keys), waits, remote, block_tokens, prefill_tokens_per_s,
+                                 self.disk, self.remote))
         self.stats.prefetches += 1
         return True
 
     async def _job(self, token: Hashable, keys: list[bytes], waits: list[bytes], remote_keys: list[bytes],
-                   block_tokens: int, prefill_tokens_per_s: float | None) -> None:
+                   block_tokens: int, prefill_tokens_per_s: float | None, disk: DiskTier | None,
+                   remote: RemoteTier | None) -> None:
+        # the tiers are captured when the job is submitted: a detach meanwhile cannot pull them away
         try:
-            reads = [self._disk_read(key) for key in keys]
+            reads = [self._disk_read(key, disk) for key in keys] if disk is not None else []
             reads += [self._reads[k] for k in waits if k in self._reads]
             await asyncio.gather(*reads, return_exceptions=True)
-            if remote_keys and self.remote is not None:
-                await self._remote_fetch(remote_keys, block_tokens, prefill_tokens_per_s)
+            if remote_keys and remote is not None:
+                await self._remote_fetch(remote, remote_keys, block_tokens, prefill_tokens_per_s)
         except Exception:  # never leave a waiter hanging
             logger.exception("cache prefetch failed")
         finally:
             self._events.put(("done", token, None))
 
-    def _disk_read(self, key: bytes) -> asyncio.Future[None]:
+    def _disk_read(self, key: bytes, disk: DiskTier) -> asyncio.Future[None]:
         """One read per key, shared by every job that wants it (runs on the I/O loop)."""
         future = self._reads.get(key)
         if future is None:
-            future = asyncio.ensure_future(self._read_one(key))
+            future = asyncio.ensure_future(self._read_one(key, disk))
             self._reads[key] = future
         return future
 
-    async def _read_one(self, key: bytes) -> None:
-        assert self.disk is not None
+    async def _read_one(self, key: bytes, disk: DiskTier) -> None:
         try:
-            payload = await self.disk.read(key)
+            payload = await disk.read(key)
         except Exception:
             logger.exception("disk cache read failed")
             payload = None
@@ -255,9 +257,8 @@ class TierChain:
             self._reads.pop(key, None)
         self._events.put(("block", key, payload))
 
-    async def _remote_fetch(self, keys: list[bytes], block_tokens: int, prefill_tokens_per_s: float | None) -> None:
-        remote = self.remote
-        assert remote is not None
+    async def _remote_fetch(self, remote: RemoteTier, keys: list[bytes], block_tokens: int,
+                            prefill_tokens_per_s: float | None) -> None:
         present = await remote.exists(keys)
         n = 0
         while n < len(present) and present[n]:
@@ -308,6 +309,33 @@ class TierChain:
     def cancel(self, token: Hashable) -> None:
         self._jobs.discard(token)
         self._job_started.pop(token, None)
+
+    # ---- attach and detach at run time (step loop) ----------------------------------------------
+    def attach(self, name: str, tier: Any, remote_write: str | None = None) -> None:
+        """Put a tier in place (the slot must be empty); starts the I/O loop if it needs one."""
+        assert name in ("host", "disk", "remote") and getattr(self, name) is None
+        setattr(self, name, tier)
+        if name == "remote" and remote_write is not None:
+            self.remote_write = remote_write
+        if name in ("disk", "remote") and self.io is None:
+            self.io = IOLoop()
+
+    def detach(self, name: str, flush_timeout_s: float = 10.0) -> None:
+        """Take a tier out. Host blocks are written to disk first (when a disk tier is there);
+        a detached disk keeps its files (attaching the folder again finds them); in-flight reads
+        finish on the tier they started on."""
+        tier = getattr(self, name)
+        assert tier is not None
+        if name == "host" and self.disk is not None:
+            self.flush([], flush_timeout_s)
+        setattr(self, name, None)
+        if name == "host":
+            self._staged.clear()
+        if name == "remote" and self.io is not None:
+            try:
+                self.io.submit(tier.close()).result(timeout=5)
+            except Exception:  # a dead connection may fail to close; it is dropped either way
+                pass
 
     # ---- shutdown ---------------------------------------------------------------------------
     def flush(self, blocks: Iterable[tuple[bytes, Callable[[], bytes]]], timeout_s: float) -> int:

@@ -86,3 +86,31 @@ def test_two_servers_on_one_redis_share_a_prefix(start_server, redis_url) -> Non
     remote = _tiers(two.url)["remote"]
     assert remote["hits"] >= 18 and remote["breaker"] == "closed"
     assert "secret" not in remote["url"]
+
+
+def test_tiers_attach_and_detach_on_a_running_server(start_server, tmp_path) -> None:
+    server = start_server("--model", "tiny", "--disk-cache", "off", config=SMALL_POOL)
+    url = server.url
+    prompt = _ids(6, 500)
+    cold, _ = _complete(url, prompt)
+    listed = httpx.get(url + "/admin/tiers", timeout=30).json()["tiers"]
+    assert "host" in listed and "disk" not in listed
+    # attach a disk tier, then detach host: its blocks are written to disk first, nothing is lost
+    folder = str(tmp_path / "attached")
+    attach = httpx.post(url + "/admin/tiers", json={"action": "attach", "tier": "disk", "path": folder,
+                                                    "capacity_mb": 64}, timeout=30)
+    assert attach.status_code == 200, attach.text
+    assert attach.json()["tiers"]["disk"]["path"].startswith(folder)
+    for seed in (7, 8):  # push the prompt's blocks off the device into host
+        _complete(url, _ids(seed, 600), max_tokens=1)
+    detach = httpx.post(url + "/admin/tiers", json={"action": "detach", "tier": "host"}, timeout=30)
+    assert detach.status_code == 200, detach.text
+    assert "host" not in detach.json()["tiers"] and detach.json()["tiers"]["disk"]["blocks"] >= 31
+    warm, cached = _complete(url, prompt)  # now from disk
+    assert warm == cold and cached == 496
+    # bad changes are 400s in the OpenAI error shape, and change nothing
+    again = httpx.post(url + "/admin/tiers", json={"action": "detach", "tier": "host"}, timeout=30)
+    assert again.status_code == 400 and "not attached" in again.json()["error"]["message"]
+    bad = httpx.post(url + "/admin/tiers", json={"action": "attach", "tier": "disk", "bogus": 1}, timeout=30)
+    assert bad.status_code == 400
+    assert httpx.post(url + "/admin/tiers", json={"action": "attach", "tier": "host"}, timeout=30).status_code == 200
