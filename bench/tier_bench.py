@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=2048, help="measured prompt length (default 2048)")
     p.add_argument("--cached-tokens", type=int, default=1984, help="tokens held in the tier (default 1984)")
     p.add_argument("--host-mb", type=int, default=1024, help="host tier size in MiB (default 1024)")
+    p.add_argument("--redis-url", default=None,
+                   help="also measure the remote tier on this Redis (default: start a private redis-server "
+                        "on a free port when the binary exists; 'off' to skip)")
     p.add_argument("--revisit", action="store_true", help="also run the 40-document revisit workload")
     p.add_argument("--docs", type=int, default=40, help="revisit: number of documents (default 40)")
     p.add_argument("--doc-tokens", type=int, default=1500, help="revisit: tokens per document (default 1500)")
@@ -71,7 +76,8 @@ class Bench:
 
     def new_core(self, num_blocks: int = 1024) -> EngineCore:
         return EngineCore(EngineConfig(model=self.args.model, host_cache_mb=self.args.host_mb,
-                                       disk_cache_path=self.disk_dir, num_blocks=num_blocks))
+                                       disk_cache_path=self.disk_dir, num_blocks=num_blocks,
+                                       remote_cache_url=self.args.redis_url, remote_timeout_s=5.0))
 
     def ids(self, n: int) -> list[int]:
         vocab = self.core.vocab_size
@@ -118,30 +124,39 @@ def tier_section(bench: Bench) -> dict[str, Any]:
     core = bench.core
     block_bytes = core.storage.block_nbytes
     nblocks = args.cached_tokens // core.block_size
-    results: dict[str, list[dict[str, float]]] = {k: [] for k in ("recompute", "device", "host", "disk")}
+    tiers = ["recompute", "device", "host", "disk"] + (["remote"] if core.chain.remote is not None else [])
+    results: dict[str, list[dict[str, float]]] = {k: [] for k in tiers}
     bench.ttft(bench.ids(args.prompt_tokens))  # warm-up
     for r in range(args.repeats):
-        for tier in ("recompute", "device", "host", "disk"):
+        for tier in tiers:
             prefix = bench.ids(args.cached_tokens)
             if tier != "recompute":
                 bench.ttft(prefix + bench.ids(args.prompt_tokens - args.cached_tokens))
-                if tier in ("host", "disk"):
+                if tier in ("host", "disk", "remote"):
                     bench.drop_device()
                 if tier == "disk":
                     bench.drop_host_to_disk()
+                if tier == "remote":  # written through as computed; now only Redis holds it
+                    core.chain.drain_writes(120)
+                    core.chain.host.clear()
             host0 = dict(core.chain.host.stats.snapshot())
             disk0 = dict(core.chain.disk.stats.snapshot())
+            remote0 = dict(core.chain.remote.stats.snapshot()) if core.chain.remote is not None else {}
+            wait0 = core.chain.stats.prefetch_wait_s
             t, cached = bench.ttft(prefix + bench.ids(args.prompt_tokens - args.cached_tokens))
             row: dict[str, float] = {"ttft_s": t, "cached_tokens": cached}
             if tier == "host":
                 s = core.chain.host.stats
                 row["load_s"] = s.read_time_s - host0["read_time_s"]
                 row["load_bytes"] = s.bytes_read - host0["bytes_read"]
-            if tier == "disk":
+            if tier == "disk":  # reads overlap: the rate is bytes over the batch's wall time
                 s = core.chain.disk.stats
-                row["load_s"] = s.read_time_s - disk0["read_time_s"]
+                row["load_s"] = core.chain.stats.prefetch_wait_s - wait0
                 row["load_bytes"] = s.bytes_read - disk0["bytes_read"]
-                row["wait_s"] = core.chain.stats.prefetch_wait_s
+            if tier == "remote":
+                s = core.chain.remote.stats
+                row["load_s"] = s.read_time_s - remote0["read_time_s"]
+                row["load_bytes"] = s.bytes_read - remote0["bytes_read"]
             results[tier].append(row)
             say(f"repeat {r + 1}/{args.repeats} {tier:9s} TTFT {t * 1000:8.1f} ms  cached {cached}")
     # ceilings, same bytes, same run
@@ -159,12 +174,33 @@ def tier_section(bench: Bench) -> dict[str, Any]:
         with path.open("rb") as f:
             total += len(f.read())
     read_bps = total / max(time.perf_counter() - t0, 1e-9)
+    redis_bps = None
+    if core.chain.remote is not None:  # a pipelined GET of the same bytes with the plain client
+        import redis
+
+        client = redis.Redis.from_url(args.redis_url)
+        value = bytes(block_bytes)
+        names = [f"kvgate-bench-ceiling:{i}" for i in range(nblocks)]
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.set(name, value, ex=300)
+        pipe.execute()
+        t0 = time.perf_counter()
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.get(name)
+        got = pipe.execute()
+        redis_bps = sum(len(g) for g in got) / (time.perf_counter() - t0)
+        client.delete(*names)
+        client.close()
     med = {tier: statistics.median(r["ttft_s"] for r in rows) for tier, rows in results.items()}
     host_bps = statistics.median(r["load_bytes"] / r["load_s"] for r in results["host"] if r.get("load_s"))
     disk_bps = statistics.median(r["load_bytes"] / r["load_s"] for r in results["disk"] if r.get("load_s"))
     return {"raw": results, "ttft_median_s": med, "speedup_vs_recompute": {t: med["recompute"] / v for t, v in med.items()},
             "host_load_bytes_per_s": host_bps, "disk_load_bytes_per_s": disk_bps,
-            "memcpy_bytes_per_s": memcpy_bps, "file_read_bytes_per_s": read_bps,
+            "memcpy_bytes_per_s": memcpy_bps, "file_read_bytes_per_s": read_bps, "redis_get_bytes_per_s": redis_bps,
+            "remote_load_bytes_per_s": statistics.median(r["load_bytes"] / r["load_s"] for r in results["remote"]
+                                                         if r.get("load_s")) if "remote" in results else None,
             "block_bytes": block_bytes, "blocks": nblocks}
 
 
@@ -207,7 +243,7 @@ def print_tables(out: dict[str, Any]) -> None:
           f"tier ({t['blocks']} blocks of {t['block_bytes'] / 1024:.0f} KiB), medians of {out['args']['repeats']}\n")
     print("| where the prefix is | TTFT | vs recompute |")
     print("|---|---:|---:|")
-    for tier in ("recompute", "device", "host", "disk"):
+    for tier in med:
         print(f"| {tier} | {med[tier] * 1000:.1f} ms | {speed[tier]:.1f}× |")
     print("\n| tier load | rate | ceiling (same bytes, same run) | share |")
     print("|---|---:|---:|---:|")
@@ -215,6 +251,9 @@ def print_tables(out: dict[str, Any]) -> None:
           f"| {t['host_load_bytes_per_s'] / t['memcpy_bytes_per_s']:.0%} |")
     print(f"| disk → host | {t['disk_load_bytes_per_s'] / 1e9:.2f} GB/s | file read {t['file_read_bytes_per_s'] / 1e9:.2f} GB/s "
           f"| {t['disk_load_bytes_per_s'] / t['file_read_bytes_per_s']:.0%} |")
+    if t.get("remote_load_bytes_per_s") and t.get("redis_get_bytes_per_s"):
+        print(f"| Redis → host | {t['remote_load_bytes_per_s'] / 1e9:.2f} GB/s | Redis GET {t['redis_get_bytes_per_s'] / 1e9:.2f} "
+              f"GB/s | {t['remote_load_bytes_per_s'] / t['redis_get_bytes_per_s']:.0%} |")
     if "revisit" in out:
         rv = out["revisit"]
         print("\n| revisit workload | mean TTFT | mean cached tokens |")
@@ -233,8 +272,8 @@ def plot(out: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
     axes = axes if panels > 1 else [axes]
     med = out["tiers"]["ttft_median_s"]
-    tiers = ["recompute", "device", "host", "disk"]
-    axes[0].bar(tiers, [med[t] * 1000 for t in tiers], color=["#999", "#2a7", "#27a", "#a72"])
+    tiers = list(med)
+    axes[0].bar(tiers, [med[t] * 1000 for t in tiers], color=["#999", "#2a7", "#27a", "#a72", "#a27"][: len(tiers)])
     axes[0].set_yscale("log")
     axes[0].set_ylabel("TTFT, ms (log)")
     axes[0].set_title(f"{out['args']['cached_tokens']} of {out['args']['prompt_tokens']} tokens cached in one tier")
@@ -249,6 +288,37 @@ def plot(out: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    redis_proc = None
+    if args.redis_url == "off":
+        args.redis_url = None
+    elif args.redis_url is None and shutil.which("redis-server"):
+        redis_proc, args.redis_url = start_redis()
+    try:
+        return run(args)
+    finally:
+        if redis_proc is not None:
+            redis_proc.terminate()
+            redis_proc.wait(10)
+
+
+def start_redis() -> tuple[subprocess.Popen, str]:
+    """A private redis-server on a free loopback port (never the machine's shared one)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        if subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip() == b"PONG":
+            break
+        time.sleep(0.05)
+    say(f"private redis-server on port {port}")
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvgate-tier-bench-") as disk_dir:
         say(f"loading {args.model}; disk tier in {disk_dir}")
         bench = Bench(args, disk_dir)

@@ -64,9 +64,20 @@ class IOLoop:
     def submit(self, coro: Any) -> Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    async def _shutdown(self) -> None:
+        """Cancel the reads and writes still queued or in flight and let them unwind here, on their
+        own loop, then stop. Abandoned with the loop, they would be finalised later by the garbage
+        collector on whichever thread runs it, where aiofiles' clean-up submits to that thread's
+        loop's executor, which can deadlock it (seen with a second chain's I/O thread)."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.loop.stop()
+
     def close(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
+        if self.thread.is_alive():
+            self.submit(self._shutdown())
         self.thread.join(10)
         if not self.loop.is_running():
             self.loop.close()
@@ -89,7 +100,7 @@ class TierChain:
         # ("block", key, payload | None) and ("done", token, None), in the order they happened
         self._events: queue.SimpleQueue[tuple[str, Any, bytes | None]] = queue.SimpleQueue()
         self._inflight: set[bytes] = set()  # disk keys being read (step-loop view)
-        self._reads: dict[bytes, asyncio.Future[None]] = {}  # the same, on the I/O loop
+        self._reads: dict[bytes, asyncio.Future[int]] = {}  # the same, on the I/O loop
         self._jobs: set[Hashable] = set()
         self._job_started: dict[Hashable, float] = {}
         self._staged: dict[bytes, bytes] = {}  # loads waiting for a host slot when host is off
@@ -229,9 +240,13 @@ class TierChain:
                    remote: RemoteTier | None) -> None:
         # the tiers are captured when the job is submitted: a detach meanwhile cannot pull them away
         try:
-            reads = [self._disk_read(key, disk) for key in keys] if disk is not None else []
-            reads += [self._reads[k] for k in waits if k in self._reads]
-            await asyncio.gather(*reads, return_exceptions=True)
+            t0 = time.perf_counter()
+            own = [self._disk_read(key, disk) for key in keys] if disk is not None else []
+            shared = [self._reads[k] for k in waits if k in self._reads]
+            done = await asyncio.gather(*own, *shared, return_exceptions=True)
+            nbytes = sum(n for n in done[: len(own)] if isinstance(n, int))
+            if disk is not None and nbytes:  # the rate of the batch as issued: reads overlap
+                disk.rate.observe(nbytes, time.perf_counter() - t0, ops=len(own))
             if remote_keys and remote is not None:
                 await self._remote_fetch(remote, remote_keys, block_tokens, prefill_tokens_per_s)
         except Exception:  # never leave a waiter hanging
@@ -239,7 +254,7 @@ class TierChain:
         finally:
             self._events.put(("done", token, None))
 
-    def _disk_read(self, key: bytes, disk: DiskTier) -> asyncio.Future[None]:
+    def _disk_read(self, key: bytes, disk: DiskTier) -> asyncio.Future[int]:
         """One read per key, shared by every job that wants it (runs on the I/O loop)."""
         future = self._reads.get(key)
         if future is None:
@@ -247,7 +262,8 @@ class TierChain:
             self._reads[key] = future
         return future
 
-    async def _read_one(self, key: bytes, disk: DiskTier) -> None:
+    async def _read_one(self, key: bytes, disk: DiskTier) -> int:
+        """Read one block into the event queue; returns the bytes read."""
         try:
             payload = await disk.read(key)
         except Exception:
@@ -256,6 +272,7 @@ class TierChain:
         finally:
             self._reads.pop(key, None)
         self._events.put(("block", key, payload))
+        return len(payload) if payload is not None else 0
 
     async def _remote_fetch(self, remote: RemoteTier, keys: list[bytes], block_tokens: int,
                             prefill_tokens_per_s: float | None) -> None:

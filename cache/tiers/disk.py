@@ -47,6 +47,7 @@ class DiskTier:
         self.policy = make_policy(policy, self.capacity_blocks)
         self.policy_name = policy
         self.stats = TierStats()
+        # observed per prefetch batch by the chain (reads overlap, so one read's time says little)
         self.rate = RateEstimate(bytes_per_s=500e6, latency_s=2e-3)
         self._lock = threading.Lock()  # the index is read by the step loop, changed by the I/O loop
         self._index: set[bytes] = set()
@@ -140,7 +141,6 @@ class DiskTier:
             return None
         with self._lock:
             self.policy.touch(key)
-        self.rate.observe(len(data), elapsed)
         self.stats.hits += 1
         self.stats.reads += 1
         self.stats.read_time_s += elapsed
