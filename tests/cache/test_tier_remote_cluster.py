@@ -4,6 +4,7 @@ turns its slots into misses while the other nodes keep serving."""
 from __future__ import annotations
 
 import asyncio
+import random
 import shutil
 import socket
 import subprocess
@@ -19,10 +20,21 @@ FMT = BlockFormat(bytes(range(32)), "float32", (2, 4))
 PAYLOAD = bytes(range(32))
 
 
-def _free_port() -> int:
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port(rng: random.Random) -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    while True:
+        port = rng.randrange(20000, 45000)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
 
 
 @pytest.fixture()
@@ -30,10 +42,14 @@ def cluster(tmp_path: Path):
     binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if binary is None or cli is None:
         pytest.fail("redis-server / redis-cli are not installed: `apt-get install redis-server`")
-    ports, procs = [], []
+    ports: list[int] = []
+    procs = []
+    rng = random.Random()
     try:
         for i in range(3):
-            port = _free_port()
+            port = _free_port(rng)
+            while port in ports:
+                port = _free_port(rng)
             folder = tmp_path / f"node{i}"
             folder.mkdir()
             procs.append(subprocess.Popen(
@@ -46,8 +62,9 @@ def cluster(tmp_path: Path):
                 if subprocess.run([cli, "-p", str(port), "ping"], capture_output=True).stdout.strip() == b"PONG":
                     break
                 time.sleep(0.05)
-        subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "0",
-                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        created = subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                                  "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, timeout=60)
+        assert created.returncode == 0, created.stdout.decode() + created.stderr.decode()
         for _ in range(200):
             info = subprocess.run([cli, "-p", str(ports[0]), "cluster", "info"], capture_output=True).stdout
             if b"cluster_state:ok" in info:

@@ -1,0 +1,334 @@
+"""TierChain: demotion through host to disk, promotion from host, disk prefetch released by poll,
+load-or-recompute, write back-pressure and the shutdown flush."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from cache.tiers.chain import TierChain
+from cache.tiers.codec import BlockFormat
+from cache.tiers.disk import DiskTier
+from cache.tiers.host import HostTier
+
+FMT = BlockFormat(bytes(range(32)), "float16", (4, 8))  # 64-byte blocks
+NB = FMT.payload_size
+WAIT_S = 10.0  # upper bound of every polling loop; never reached when things work
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def block(i: int) -> torch.Tensor:
+    return torch.tensor([(i * 29 + j * 3) % 256 for j in range(NB)], dtype=torch.uint8)
+
+
+def raw(i: int) -> bytes:
+    return block(i).numpy().tobytes()
+
+
+def make_chain(tmp_path: Path, host_blocks: int | None = 2, disk_blocks: int = 32,
+               max_pending_writes: int = 256) -> TierChain:
+    host = HostTier(host_blocks * NB, NB) if host_blocks else None
+    disk = DiskTier(tmp_path / "disk", disk_blocks * FMT.record_size, FMT)
+    return TierChain(host, disk, max_pending_writes=max_pending_writes)
+
+
+@pytest.fixture
+def chains(tmp_path: Path) -> Iterator[list[TierChain]]:
+    """Chains a test creates are closed whatever happens."""
+    made: list[TierChain] = []
+    try:
+        yield made
+    finally:
+        for chain in made:
+            chain.close()
+
+
+@pytest.fixture
+def chain(tmp_path: Path, chains: list[TierChain]) -> TierChain:
+    chains.append(make_chain(tmp_path))
+    return chains[-1]
+
+
+def load(chain: TierChain, i: int) -> torch.Tensor | None:
+    dst = torch.zeros(NB, dtype=torch.uint8)
+    return dst if chain.load(key(i), dst) else None
+
+
+def poll_until(chain: TierChain, tokens: Iterable[Hashable]) -> list[Hashable]:
+    """Poll until every token in ``tokens`` was released; returns all released, in order."""
+    want = set(tokens)
+    released: list[Hashable] = []
+    deadline = time.monotonic() + WAIT_S
+    while not want <= set(released):
+        assert time.monotonic() < deadline, f"tokens {want - set(released)} never released"
+        released += chain.poll()
+        time.sleep(0.002)
+    return released
+
+
+def demote_all(chain: TierChain, ids: Iterable[int]) -> None:
+    for i in ids:
+        chain.demote(key(i), block(i))
+    assert chain.drain_writes(WAIT_S)
+
+
+# ---- demotion ---------------------------------------------------------------------------------
+
+
+def test_overflow_reaches_disk(chain: TierChain) -> None:
+    assert chain.host is not None and chain.disk is not None
+    demote_all(chain, range(5))
+    assert chain.stats.demotions == 5
+    assert set(chain.host.keys()) == {key(3), key(4)}  # LRU: the newest two stay in host
+    for i in range(3):
+        assert key(i) in chain.disk
+        assert chain.disk.path_of(key(i)).exists()
+    assert len(chain.disk) == 3 and chain.pending_writes == 0
+    assert chain.host.stats.evictions == 3
+    chain.disk.check_invariants()
+    chain.host.check_invariants()
+
+
+def test_load_from_host(chain: TierChain) -> None:
+    demote_all(chain, range(3))
+    out = load(chain, 2)
+    assert out is not None and torch.equal(out, block(2))
+    assert chain.stats.promotions == 1
+    assert load(chain, 0) is None  # on disk only: never read synchronously
+    assert load(chain, 99) is None
+    assert chain.stats.promotions == 1
+    assert chain.on_lower_tier(key(2)) and not chain.on_lower_tier(key(0))
+
+
+def test_disk_only_chain_demotes_straight_to_disk(tmp_path: Path, chains: list[TierChain]) -> None:
+    chains.append(chain := make_chain(tmp_path, host_blocks=None))
+    assert chain.host is None and chain.disk is not None
+    demote_all(chain, range(3))
+    assert len(chain.disk) == 3
+    assert chain.plan_prefetch([key(0), key(1)], 16, None) == [key(0), key(1)]
+    assert chain.prefetch("r", [key(0), key(1)])
+    poll_until(chain, ["r"])
+    # staged until promoted, then handed out once
+    out = load(chain, 1)
+    assert out is not None and torch.equal(out, block(1))
+    assert load(chain, 1) is None
+
+
+def test_chain_without_disk(chains: list[TierChain]) -> None:
+    chains.append(chain := TierChain(HostTier(2 * NB, NB), None))
+    assert chain.io is None
+    for i in range(4):
+        chain.demote(key(i), block(i))  # the overflow is simply dropped
+    assert chain.plan_prefetch([key(0)], 16, None) == []
+    assert chain.flush([], timeout_s=1) == 0
+    assert load(chain, 3) is not None
+
+
+# ---- prefetch planning ------------------------------------------------------------------------
+
+
+def test_plan_prefetch_continuation(chain: TierChain) -> None:
+    demote_all(chain, range(5))  # 0, 1, 2 on disk; 3, 4 in host
+    keys = [key(3), key(0), key(1), key(50), key(2)]
+    assert chain.plan_prefetch(keys, 16, None) == [key(0), key(1)]  # stops at 50: nowhere
+    assert chain.plan_prefetch([key(4), key(3)], 16, None) == []  # all in host
+    assert chain.plan_prefetch([key(50), key(0)], 16, None) == []
+    assert chain.stats.recompute_chosen == 0
+
+
+def test_plan_prefetch_chooses_recompute_when_prefill_is_faster(chain: TierChain) -> None:
+    demote_all(chain, range(5))
+    keys = [key(0), key(1), key(2)]
+    assert chain.plan_prefetch(keys, 16, prefill_tokens_per_s=1e15) == []
+    assert chain.stats.recompute_chosen == 1
+    # a slow prefill makes loading the better choice
+    assert chain.plan_prefetch(keys, 16, prefill_tokens_per_s=1e-3) == keys
+    assert chain.stats.recompute_chosen == 1
+    # nothing on disk: nothing to decide
+    assert chain.plan_prefetch([key(77)], 16, prefill_tokens_per_s=1e15) == []
+    assert chain.stats.recompute_chosen == 1
+
+
+# ---- prefetch and poll ------------------------------------------------------------------------
+
+
+def test_prefetch_then_poll_releases_and_blocks_are_in_host(tmp_path: Path, chains: list[TierChain]) -> None:
+    chains.append(chain := make_chain(tmp_path, host_blocks=4))
+    demote_all(chain, range(8))  # 0..3 on disk, 4..7 in host
+    assert chain.disk is not None and chain.host is not None
+    need = chain.plan_prefetch([key(0), key(1), key(2)], 16, None)
+    assert need == [key(0), key(1), key(2)]
+    assert chain.prefetch("req-1", need)
+    assert chain.loading
+    assert chain.plan_prefetch([key(0), key(1), key(2)], 16, None) == []  # in flight
+    released = poll_until(chain, ["req-1"])
+    assert released == ["req-1"]
+    assert not chain.loading and chain.poll() == []
+    assert chain.stats.prefetches == 1 and chain.stats.prefetched_blocks == 3
+    assert chain.disk.stats.reads == 3
+    for i in range(3):
+        assert key(i) in chain.host
+        out = load(chain, i)
+        assert out is not None and torch.equal(out, block(i))
+    assert chain.drain_writes(WAIT_S)  # host evictions caused by the loads went down
+    chain.host.check_invariants()
+    chain.disk.check_invariants()
+
+
+def test_prefetch_with_nothing_to_wait_for(chain: TierChain) -> None:
+    assert not chain.prefetch("r", [], also_wait_for=[key(1)])
+    assert not chain.loading and chain.poll() == []
+
+
+def test_block_wanted_by_two_requests_is_read_once(tmp_path: Path, chains: list[TierChain]) -> None:
+    chains.append(chain := make_chain(tmp_path, host_blocks=4))
+    demote_all(chain, range(8))
+    assert chain.disk is not None
+    keys = [key(0), key(1)]
+    assert chain.prefetch("a", chain.plan_prefetch(keys, 16, None))
+    need_b = chain.plan_prefetch(keys, 16, None)
+    assert need_b == []  # both already being read for "a"
+    assert chain.prefetch("b", need_b, also_wait_for=keys)  # waits on a's reads
+    released = poll_until(chain, ["a", "b"])
+    assert sorted(map(str, released)) == ["a", "b"]
+    assert chain.disk.stats.reads == 2 and chain.disk.stats.hits == 2
+    assert chain.stats.prefetched_blocks == 2
+
+
+def test_failed_read_still_releases_the_waiter(chain: TierChain) -> None:
+    demote_all(chain, range(5))
+    assert chain.disk is not None
+    chain.disk.path_of(key(0)).write_bytes(b"\0" * FMT.record_size)  # corrupt on disk
+    assert chain.prefetch("r", [key(0), key(1)])
+    poll_until(chain, ["r"])
+    assert chain.disk.stats.corrupt == 1
+    assert load(chain, 0) is None  # the damaged block never reaches a device block
+    out = load(chain, 1)
+    assert out is not None and torch.equal(out, block(1))
+
+
+def test_cancel(chain: TierChain) -> None:
+    demote_all(chain, range(5))
+    assert chain.prefetch("gone", [key(0)])
+    assert chain.prefetch("kept", [key(1)])
+    chain.cancel("gone")
+    released = poll_until(chain, ["kept"])
+    assert "gone" not in released
+    assert not chain.loading
+
+
+# ---- back-pressure ----------------------------------------------------------------------------
+
+
+def test_pending_write_limit_drops_and_counts(tmp_path: Path, chains: list[TierChain]) -> None:
+    chains.append(chain := make_chain(tmp_path, host_blocks=2, max_pending_writes=1))
+    assert chain.io is not None and chain.disk is not None
+    gate = threading.Event()
+
+    async def stall() -> None:
+        gate.wait(WAIT_S)  # blocks the I/O loop: no write can finish until the gate opens
+
+    try:
+        chain.io.submit(stall())
+        for i in range(5):  # host of 2: three evictions, one may be in flight
+            chain.demote(key(i), block(i))
+        assert chain.pending_writes == 1
+        assert chain.stats.dropped_writes == 2
+    finally:
+        gate.set()
+    assert chain.drain_writes(WAIT_S)
+    assert chain.pending_writes == 0
+    assert len(chain.disk) == 1 and key(0) in chain.disk
+    chain.demote(key(5), block(5))  # evicts 3 from host; room again once the write finished
+    assert chain.drain_writes(WAIT_S)
+    assert key(3) in chain.disk and chain.stats.dropped_writes == 2
+
+
+def test_close_with_writes_in_flight_unwinds_them(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    chain = make_chain(tmp_path, host_blocks=1)
+    io = chain.io
+    assert io is not None
+    gate = threading.Event()
+
+    async def stall() -> None:
+        gate.wait(WAIT_S)
+
+    try:
+        io.submit(stall())
+        for i in range(6):  # five writes queue up behind the stalled loop
+            chain.demote(key(i), block(i))
+        assert chain.pending_writes == 5
+    finally:
+        gate.set()
+    chain.close()  # at once: the writes are still queued or in flight
+    gc.collect()
+    assert chain.io is None and not io.thread.is_alive() and io.loop.is_closed()
+    assert chain.pending_writes == 0  # each write finished or was cancelled on its own loop
+    assert "Task was destroyed" not in caplog.text
+    again = DiskTier(tmp_path / "disk", 32 * FMT.record_size, FMT)  # a cut-off write leaves nothing
+    assert not list(again.dir.glob("*.tmp"))
+    again.check_invariants()
+
+
+# ---- flush ------------------------------------------------------------------------------------
+
+
+def test_flush_writes_host_and_given_blocks(tmp_path: Path, chains: list[TierChain]) -> None:
+    chains.append(chain := make_chain(tmp_path, host_blocks=3))
+    demote_all(chain, range(4))  # 0 on disk; 1, 2, 3 in host
+    assert chain.disk is not None and chain.host is not None
+    calls: list[int] = []
+
+    def getter(i: int) -> Callable[[], bytes]:
+        def get() -> bytes:
+            calls.append(i)
+            return raw(i)
+        return get
+
+    device = [(key(10), getter(10)), (key(0), getter(0))]  # 0 is already on disk: skipped
+    written = chain.flush(device, timeout_s=WAIT_S)
+    assert written == 4  # 10 from the device, 1, 2, 3 from host
+    assert chain.stats.flushed_blocks == 4
+    assert calls == [10]
+    for i in (0, 1, 2, 3, 10):
+        assert key(i) in chain.disk
+    chain.disk.check_invariants()
+    # a new disk tier on the same folder starts warm, and the bytes are right
+    again = DiskTier(tmp_path / "disk", 32 * FMT.record_size, FMT)
+    assert again.rebuilt == 5
+    for i in (1, 10):
+        assert asyncio.run(again.read(key(i))) == raw(i)
+
+
+def test_flush_writes_a_block_held_by_device_and_host_once(tmp_path: Path, chains: list[TierChain]) -> None:
+    chains.append(chain := make_chain(tmp_path, host_blocks=3, disk_blocks=3))
+    demote_all(chain, range(2))  # both in host (the host tier is inclusive of promoted blocks)
+    assert chain.disk is not None
+    written = chain.flush([(key(0), lambda: raw(0)), (key(1), lambda: raw(1))], timeout_s=WAIT_S)
+    assert written == 2 and chain.stats.flushed_blocks == 2
+    assert chain.disk.stats.writes == 2
+    assert len(chain.disk) == 2
+    chain.disk.check_invariants()
+
+
+def test_flush_skips_missing_payloads(chain: TierChain) -> None:
+    assert chain.flush([(key(1), lambda: None)], timeout_s=WAIT_S) == 0  # type: ignore[arg-type,return-value]
+
+
+def test_snapshot(chain: TierChain) -> None:
+    demote_all(chain, range(3))
+    snap = chain.snapshot()
+    assert snap["chain"]["demotions"] == 3 and snap["chain"]["pending_writes"] == 0
+    assert snap["host"]["blocks"] == 2 and snap["host"]["capacity_blocks"] == 2
+    assert snap["disk"]["blocks"] == 1 and snap["disk"]["policy"] == "lru"
+    assert snap["disk"]["path"].endswith(FMT.fingerprint.hex()[:16])

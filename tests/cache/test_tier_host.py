@@ -1,0 +1,215 @@
+"""HostTier: a slab of uint8 slots in CPU memory; bytes in and out exactly, bounded, counted."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from cache.tiers.host import HostTier
+
+NB = 64  # bytes per block
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def block(seed: int, nbytes: int = NB) -> torch.Tensor:
+    return torch.tensor([(seed * 31 + j * 7) % 256 for j in range(nbytes)], dtype=torch.uint8)
+
+
+def load(tier: HostTier, k: bytes) -> torch.Tensor | None:
+    dst = torch.full((tier.block_nbytes,), 0xAA, dtype=torch.uint8)
+    return dst if tier.load_into(k, dst) else None
+
+
+def test_capacity_from_bytes() -> None:
+    assert HostTier(NB * 4 + NB - 1, NB).capacity_blocks == 4
+    with pytest.raises(ValueError, match="holds no block"):
+        HostTier(NB - 1, NB)
+
+
+def test_put_load_round_trip() -> None:
+    tier = HostTier(NB * 4, NB)
+    assert tier.put(key(1), block(1)) == []
+    assert tier.put(key(2), block(2)) == []
+    assert key(1) in tier and key(2) in tier and key(3) not in tier
+    assert len(tier) == 2 and tier.nbytes == 2 * NB
+    out = load(tier, key(1))
+    assert out is not None and torch.equal(out, block(1))
+    out = load(tier, key(2))
+    assert out is not None and torch.equal(out, block(2))
+    assert tier.payload(key(2)) == block(2).numpy().tobytes()
+    assert tier.payload(key(3)) is None
+    tier.check_invariants()
+
+
+def test_source_is_copied_not_aliased() -> None:
+    tier = HostTier(NB * 2, NB)
+    src = block(5)
+    tier.put(key(5), src)
+    src.zero_()
+    out = load(tier, key(5))
+    assert out is not None and torch.equal(out, block(5))
+
+
+def test_put_bytes_readonly_and_writable() -> None:
+    tier = HostTier(NB * 4, NB)
+    tier.put_bytes(key(1), block(1).numpy().tobytes())  # bytes: read-only buffer
+    tier.put_bytes(key(2), bytearray(block(2).numpy().tobytes()))
+    tier.put_bytes(key(3), memoryview(block(3).numpy().tobytes()))
+    for i in (1, 2, 3):
+        out = load(tier, key(i))
+        assert out is not None and torch.equal(out, block(i))
+
+
+def test_put_of_a_present_key_keeps_the_stored_bytes() -> None:
+    tier = HostTier(NB * 2, NB)
+    tier.put(key(1), block(1))
+    assert tier.put(key(1), block(9)) == []  # same hash → same KV: nothing copied
+    assert len(tier) == 1 and tier.stats.puts == 1
+    out = load(tier, key(1))
+    assert out is not None and torch.equal(out, block(1))
+
+
+def test_miss() -> None:
+    tier = HostTier(NB * 2, NB)
+    dst = torch.full((NB,), 0xAA, dtype=torch.uint8)
+    assert not tier.load_into(key(1), dst)
+    assert torch.all(dst == 0xAA)  # untouched
+    assert tier.stats.misses == 1 and tier.stats.hits == 0
+
+
+def test_capacity_never_exceeded_and_eviction_returns_victim_bytes() -> None:
+    tier = HostTier(NB * 3, NB)  # LRU
+    for i in range(3):
+        assert tier.put(key(i), block(i)) == []
+    assert load(tier, key(0)) is not None  # 0 becomes most recent; 1 is the LRU block
+    evicted = tier.put(key(3), block(3))
+    assert evicted == [(key(1), block(1).numpy().tobytes())]
+    assert len(tier) == 3 and key(1) not in tier
+    for i in range(4, 20):
+        evicted = tier.put(key(i), block(i))
+        assert len(evicted) == 1
+        victim, payload = evicted[0]
+        assert payload == block(int.from_bytes(victim, "big")).numpy().tobytes()
+        assert victim not in tier
+        assert len(tier) == tier.capacity_blocks == 3
+        tier.check_invariants()
+    assert tier.stats.evictions == 17
+
+
+def test_delete_and_clear() -> None:
+    tier = HostTier(NB * 3, NB)
+    for i in range(3):
+        tier.put(key(i), block(i))
+    assert tier.delete(key(1))
+    assert not tier.delete(key(1))
+    assert key(1) not in tier and len(tier) == 2
+    assert load(tier, key(1)) is None
+    assert tier.put(key(7), block(7)) == []  # the freed slot is reused: no eviction
+    tier.check_invariants()
+    assert sorted(tier.keys()) == sorted([key(0), key(2), key(7)])
+    assert tier.clear() == 3
+    assert len(tier) == 0 and tier.nbytes == 0 and list(tier.keys()) == []
+    tier.check_invariants()
+    for i in range(3):  # every slot is free again
+        assert tier.put(key(10 + i), block(10 + i)) == []
+    tier.check_invariants()
+
+
+def test_stats_counters() -> None:
+    tier = HostTier(NB * 2, NB)
+    tier.put(key(1), block(1))
+    tier.put(key(2), block(2))
+    tier.put(key(3), block(3))  # evicts 1
+    load(tier, key(2))
+    load(tier, key(3))
+    load(tier, key(1))  # miss
+    s = tier.stats
+    assert (s.puts, s.writes, s.bytes_written) == (3, 3, 3 * NB)
+    assert (s.hits, s.reads, s.bytes_read, s.misses) == (2, 2, 2 * NB, 1)
+    assert s.evictions == 1
+    assert s.read_time_s >= 0 and s.write_time_s >= 0
+    assert s.snapshot()["hits"] == 2
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+def test_many_puts_stay_bounded(policy: str) -> None:
+    tier = HostTier(NB * 5, NB, policy=policy)
+    for i in range(50):
+        tier.put(key(i % 13), block(i % 13))
+        if i % 3 == 0:
+            load(tier, key(i % 7))
+        assert len(tier) <= 5
+        tier.check_invariants()
+
+
+class HostMachine(RuleBasedStateMachine):
+    """Random puts, loads, deletes and clears against a shadow dict (exact LRU order for "lru")."""
+
+    @initialize(policy=st.sampled_from(["lru", "s3fifo"]), capacity=st.integers(1, 6))
+    def setup(self, policy: str, capacity: int) -> None:
+        self.tier = HostTier(NB * capacity, NB, policy=policy)
+        self.policy = policy
+        self.shadow: OrderedDict[bytes, bytes] = OrderedDict()  # LRU → MRU
+
+    @rule(i=st.integers(0, 9), seed=st.integers(0, 255))
+    def put(self, i: int, seed: int) -> None:
+        k = key(i)
+        present = k in self.shadow
+        evicted = self.tier.put(k, block(seed))
+        if present:
+            assert evicted == []
+            self.shadow.move_to_end(k)
+            return
+        if len(self.shadow) < self.tier.capacity_blocks:
+            assert evicted == []
+        else:
+            assert len(evicted) == 1
+            victim, payload = evicted[0]
+            assert victim in self.shadow and victim != k
+            if self.policy == "lru":
+                assert victim == next(iter(self.shadow))
+            assert payload == self.shadow.pop(victim)
+        self.shadow[k] = block(seed).numpy().tobytes()
+
+    @rule(i=st.integers(0, 9))
+    def load(self, i: int) -> None:
+        k = key(i)
+        hits, misses = self.tier.stats.hits, self.tier.stats.misses
+        out = load(self.tier, k)
+        if k in self.shadow:
+            assert out is not None and out.numpy().tobytes() == self.shadow[k]
+            assert self.tier.stats.hits == hits + 1
+            self.shadow.move_to_end(k)
+        else:
+            assert out is None and self.tier.stats.misses == misses + 1
+
+    @rule(i=st.integers(0, 9))
+    def delete(self, i: int) -> None:
+        k = key(i)
+        assert self.tier.delete(k) == (k in self.shadow)
+        self.shadow.pop(k, None)
+
+    @rule()
+    def clear(self) -> None:
+        assert self.tier.clear() == len(self.shadow)
+        self.shadow.clear()
+
+    @invariant()
+    def consistent(self) -> None:
+        self.tier.check_invariants()
+        assert len(self.tier) == len(self.shadow) <= self.tier.capacity_blocks
+        assert set(self.tier.keys()) == set(self.shadow)
+        for k, payload in self.shadow.items():
+            assert self.tier.payload(k) == payload
+
+
+HostMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestHostMachine = HostMachine.TestCase
