@@ -1,7 +1,7 @@
 """EngineCore: the synchronous heart — validate, schedule, run the model, sample, finish.
 
 No threads and no asyncio here: ``step()`` is one iteration of continuous batching, so tests
-drive it directly and ``AsyncEngine`` calls it from its background thread.
+drive it directly and ``EngineLoop`` calls it from the thread that built it (engine/loop.py).
 """
 
 from __future__ import annotations
