@@ -102,7 +102,12 @@ class KVCacheManager:
                     if fresh is None:
                         break
                     block = fresh[0]
-                    if not load(block_hash, block.block_id):
+                    try:
+                        ok = load(block_hash, block.block_id)
+                    except BaseException:
+                        self.pool.free_blocks([block])  # a failing tier must not leak the block
+                        raise
+                    if not ok:
                         self.pool.free_blocks([block])
                         break
                     self.pool.cache_block(block, block_hash)

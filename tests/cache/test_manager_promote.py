@@ -284,3 +284,21 @@ def test_repeated_promotion_is_idempotent(num_blocks: int) -> None:
     assert m.promote(hs, len(tokens), tier.load) == 0  # all on the device now
     assert len(tier.calls) == first
     m.check_invariants()
+
+
+def test_a_tier_that_raises_leaks_no_block() -> None:
+    m = KVCacheManager(8, BS)
+    tokens = list(range(21))
+    hs = hashes(tokens)
+    good = FakeTier({hs[0]: b"0"})
+
+    def load(block_hash: BlockHash, block_id: int) -> bool:
+        if block_hash == hs[1]:
+            raise OSError("tier failed")
+        return good.load(block_hash, block_id)
+
+    with pytest.raises(OSError):
+        m.promote(hs, len(tokens), load)
+    assert m.num_blocks_in_use == 0 and m.pool.num_free_blocks == 8
+    assert m.pool.get_cached_block(hs[0]) is not None and m.pool.get_cached_block(hs[1]) is None
+    m.check_invariants()
