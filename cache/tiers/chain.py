@@ -98,12 +98,12 @@ class TierChain:
         self._pending_writes = 0
         self._write_lock = threading.Lock()
         # ("block", key, payload | None) and ("done", token, None), in the order they happened
-        self._events: queue.SimpleQueue[tuple[str, Any, bytes | None]] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[tuple[str, Any, bytes | memoryview | None]] = queue.SimpleQueue()
         self._inflight: set[bytes] = set()  # disk keys being read (step-loop view)
         self._reads: dict[bytes, asyncio.Future[int]] = {}  # the same, on the I/O loop
         self._jobs: set[Hashable] = set()
         self._job_started: dict[Hashable, float] = {}
-        self._staged: dict[bytes, bytes] = {}  # loads waiting for a host slot when host is off
+        self._staged: dict[bytes, bytes | memoryview] = {}  # loads waiting for a host slot when host is off
         self._remote_sent: OrderedDict[bytes, None] = OrderedDict()  # recently written to remote
 
     @property

@@ -111,17 +111,22 @@ class DiskTier:
         self.stats.evictions += 1
 
     # ---- I/O (the chain's I/O loop) -----------------------------------------------------------
-    async def read(self, key: bytes) -> bytes | None:
-        """The block's payload, or None (missing, unreadable, or corrupt: then deleted)."""
+    async def read(self, key: bytes) -> memoryview | None:
+        """The block's payload, or None (missing, unreadable, or corrupt: then deleted).
+
+        The payload is a writable view into the buffer the file was read into: no copy is made
+        between the file and the host slot it goes to.
+        """
         with self._lock:
             if key not in self._index:
                 self.stats.misses += 1
                 return None
         path = self.path_of(key)
         t0 = time.perf_counter()
+        buf = bytearray(self.fmt.record_size + 1)  # one byte more: a padded file is caught by decode
         try:
             async with aiofiles.open(path, "rb") as f:
-                data = await f.read()
+                data = memoryview(buf)[: await f.readinto(buf)]
         except FileNotFoundError:
             self._forget(key)
             self.stats.misses += 1
@@ -144,8 +149,8 @@ class DiskTier:
         self.stats.hits += 1
         self.stats.reads += 1
         self.stats.read_time_s += elapsed
-        self.stats.bytes_read += len(data)
-        return payload.tobytes()
+        self.stats.bytes_read += data.nbytes
+        return payload
 
     async def write(self, key: bytes, payload: bytes | memoryview) -> bool:
         """Store a block atomically; True if it is on disk afterwards."""
