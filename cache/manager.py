@@ -62,6 +62,19 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._tables.get(request_id, ())]
 
+    def reusable_hashes(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> Sequence[BlockHash]:
+        """The hashes of a prompt's blocks that a cache may supply: every full block, except that
+        the last token is always computed (the model must produce its logits)."""
+        return block_hashes[: min(len(block_hashes), max(0, num_tokens - 1) // self.block_size)]
+
+    def missing_hashes(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> Sequence[BlockHash]:
+        """The reusable hashes past the longest prefix already cached on the device."""
+        reusable = self.reusable_hashes(block_hashes, num_tokens)
+        i = 0
+        while i < len(reusable) and self.pool.get_cached_block(reusable[i]) is not None:
+            i += 1
+        return reusable[i:]
+
     def get_computed_blocks(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> tuple[list[Block], int]:
         """Longest cached prefix of a request: (hit blocks, number of cached tokens).
 
@@ -70,9 +83,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         start = time.perf_counter()
-        max_blocks = min(len(block_hashes), max(0, num_tokens - 1) // self.block_size)
         hits: list[Block] = []
-        for block_hash in block_hashes[:max_blocks]:
+        for block_hash in self.reusable_hashes(block_hashes, num_tokens):
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
@@ -91,11 +103,10 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return 0
-        max_blocks = min(len(block_hashes), max(0, num_tokens - 1) // self.block_size)
         held: list[Block] = []
         loaded = 0
         try:
-            for block_hash in block_hashes[:max_blocks]:
+            for block_hash in self.reusable_hashes(block_hashes, num_tokens):
                 block = self.pool.get_cached_block(block_hash)
                 if block is None:
                     fresh = self.pool.get_new_blocks(1)

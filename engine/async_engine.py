@@ -85,8 +85,8 @@ class AsyncEngine:
         self.tokenizer: Any = None
         self.restarts: list[float] = []
         self._streams: dict[str, _RequestState] = {}
-        self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self._stats_tokens = itertools.count()
+        self._waiters: dict[int, asyncio.Future[Any]] = {}  # replies to "stats" and "tiers"
+        self._reply_tokens = itertools.count()
         self._last_stats: dict[str, Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False
@@ -227,14 +227,14 @@ class AsyncEngine:
     async def _call(self, kind: str, *args: Any) -> Any:
         """Send a command that the engine answers with ("reply", token, value); await the value."""
         assert self._loop is not None
-        token = next(self._stats_tokens)
+        token = next(self._reply_tokens)
         future: asyncio.Future[Any] = self._loop.create_future()
-        self._stats_waiters[token] = future
+        self._waiters[token] = future
         self.backend.send((kind, token, *args))
         try:
             return await asyncio.wait_for(future, STATS_TIMEOUT_S)
         finally:
-            self._stats_waiters.pop(token, None)
+            self._waiters.pop(token, None)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop accepting, let in-flight requests finish for up to ``timeout_s``, abort the rest."""
@@ -270,7 +270,7 @@ class AsyncEngine:
         elif kind == "fail":
             self._fail(event[1], event[2].error() if isinstance(event[2], FailInfo) else event[2])
         elif kind == "reply":
-            future = self._stats_waiters.pop(event[1], None)
+            future = self._waiters.pop(event[1], None)
             if future is not None and not future.done():
                 future.set_result(event[2])
         elif kind == "dead":
@@ -290,10 +290,10 @@ class AsyncEngine:
         error = EngineDeadError(f"the engine process stopped unexpectedly ({reason}); retry shortly")
         for request_id in list(self._streams):
             self._fail(request_id, error)
-        for future in self._stats_waiters.values():
+        for future in self._waiters.values():
             if not future.done():
                 future.set_exception(error)
-        self._stats_waiters.clear()
+        self._waiters.clear()
         if self._running and self._accepting:
             self._restart_task = asyncio.ensure_future(self._restart(reason))
 

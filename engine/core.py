@@ -95,12 +95,14 @@ class EngineCore:
             pack_model(self.loaded.model, self.loaded.device, self.loaded.dtype)
         self.manager = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.chain = self._build_chain(config)
+        self.block_format = BlockFormat(self.fingerprint, str(self.storage.dtype).removeprefix("torch."),
+                                        self.storage.block_shape)
+        self.chain: TierChain | None = None
         self._loading: dict[str, list[Sequence]] = {}
         self._prefill_tps: float | None = None
-        if self.chain is not None:
-            self.manager.pool.on_evict = self._demote
-            self.scheduler.promote = self._promote
+        chain = self._build_chain(config)
+        if chain is not None:
+            self._use_chain(chain)
         self.runner = ModelRunner(self.loaded.model, self.storage)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
@@ -122,8 +124,14 @@ class EngineCore:
         if host is None and disk is None and remote is None:
             return None
         logger.info("cache tiers host_mb=%d disk=%s remote=%s", config.host_cache_mb, disk.dir if disk else None,
-                    remote._safe_url() if remote else None)
+                    remote.safe_url() if remote else None)
         return TierChain(host, disk, remote=remote, remote_write=config.remote_write)
+
+    def _use_chain(self, chain: TierChain) -> None:
+        """Put the chain under the device pool: evictions demote into it, admissions promote from it."""
+        self.chain = chain
+        self.manager.pool.on_evict = self._demote
+        self.scheduler.promote = self._promote
 
     _TIER_OPTIONS = {"host": {"capacity_mb"}, "disk": {"path", "capacity_mb"},
                      "remote": {"url", "cluster", "ttl_s", "write"}}
@@ -142,7 +150,7 @@ class EngineCore:
         if name == "host":
             return HostTier(capacity << 20, self.storage.block_nbytes, config.tier_policy,
                             pin=self.storage.device.type == "cuda")
-        fmt = BlockFormat(self.fingerprint, str(self.storage.dtype).removeprefix("torch."), self.storage.block_shape)
+        fmt = self.block_format
         if name == "disk":
             path = options.get("path", config.disk_cache_path)
             if not isinstance(path, str) or not path:
@@ -167,10 +175,9 @@ class EngineCore:
         if action not in ("attach", "detach"):
             raise ValueError(f"unknown action {action!r}; use attach or detach")
         if self.chain is None:
-            self.chain = TierChain(None, None, remote_write=self.config.remote_write)
-            self.manager.pool.on_evict = self._demote
-            self.scheduler.promote = self._promote
+            self._use_chain(TierChain(None, None, remote_write=self.config.remote_write))
         chain = self.chain
+        assert chain is not None
         if action == "detach":
             if getattr(chain, name) is None:
                 raise ValueError(f"the {name} tier is not attached")
@@ -201,13 +208,7 @@ class EngineCore:
         chain = self.chain
         if chain is None or chain.io is None or not self.config.enable_prefix_caching:
             return False
-        max_blocks = min(len(seq.block_hashes), max(0, seq.num_tokens - 1) // self.block_size)
-        keys = seq.block_hashes[:max_blocks]
-        pool = self.manager.pool
-        i = 0
-        while i < len(keys) and pool.get_cached_block(keys[i]) is not None:
-            i += 1
-        rest = keys[i:]
+        rest = list(self.manager.missing_hashes(seq.block_hashes, seq.num_tokens))
         if not rest:
             return False
         need = chain.plan_prefetch(rest, self.block_size, self._prefill_tps)

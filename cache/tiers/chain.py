@@ -129,14 +129,18 @@ class TierChain:
         """A block leaves host memory: to disk, and to the remote tier when it writes back."""
         if self.remote is not None and self.remote_write == "back":
             self.write_remote([(key, payload)])
-        if self.disk is None or self.io is None:
+        if self.disk is None or self.io is None or not self._reserve_write(1):
             return
+        self.io.submit(self.disk.write(key, payload)).add_done_callback(self._write_done)
+
+    def _reserve_write(self, blocks: int) -> bool:
+        """Count one more write in flight, or drop ``blocks`` (counted) when the bound is reached."""
         with self._write_lock:
             if self._pending_writes >= self.max_pending_writes:
-                self.stats.dropped_writes += 1
-                return
+                self.stats.dropped_writes += blocks
+                return False
             self._pending_writes += 1
-        self.io.submit(self.disk.write(key, payload)).add_done_callback(self._write_done)
+            return True
 
     def _write_done(self, future: Future[Any]) -> None:
         with self._write_lock:
@@ -149,13 +153,8 @@ class TierChain:
         if self.remote is None or self.io is None or not items:
             return
         fresh = [(k, p) for k, p in items if k not in self._remote_sent]
-        if not fresh:
+        if not fresh or not self._reserve_write(len(fresh)):
             return
-        with self._write_lock:
-            if self._pending_writes >= self.max_pending_writes:
-                self.stats.dropped_writes += len(fresh)
-                return
-            self._pending_writes += 1
         for key, _ in fresh:
             self._remote_sent[key] = None
             if len(self._remote_sent) > 65536:
@@ -348,11 +347,16 @@ class TierChain:
         setattr(self, name, None)
         if name == "host":
             self._staged.clear()
-        if name == "remote" and self.io is not None:
-            try:
-                self.io.submit(tier.close()).result(timeout=5)
-            except Exception:  # a dead connection may fail to close; it is dropped either way
-                pass
+        if name == "remote":
+            self._close_remote(tier)
+
+    def _close_remote(self, remote: RemoteTier) -> None:
+        if self.io is None:
+            return
+        try:
+            self.io.submit(remote.close()).result(timeout=5)
+        except Exception:  # a dead connection may fail to close; it is dropped either way
+            pass
 
     # ---- shutdown ---------------------------------------------------------------------------
     def flush(self, blocks: Iterable[tuple[bytes, Callable[[], bytes]]], timeout_s: float) -> int:
@@ -391,10 +395,7 @@ class TierChain:
     def close(self) -> None:
         if self.io is not None:
             if self.remote is not None:
-                try:
-                    self.io.submit(self.remote.close()).result(timeout=5)
-                except Exception:  # closing a dead connection may fail; the loop stops anyway
-                    pass
+                self._close_remote(self.remote)
             self.io.close()
             self.io = None
 
@@ -409,7 +410,7 @@ class TierChain:
         if self.disk is not None:
             out["disk"]["path"] = str(self.disk.dir)
         if self.remote is not None:
-            out["remote"].update(url=self.remote._safe_url(), breaker=self.remote.breaker.state,
+            out["remote"].update(url=self.remote.safe_url(), breaker=self.remote.breaker.state,
                                  breaker_trips=self.remote.breaker.trips, write=self.remote_write,
                                  exists_checks=self.remote.exists_checks, exists_time_s=self.remote.exists_time_s)
         return out

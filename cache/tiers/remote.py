@@ -118,7 +118,7 @@ class RemoteTier:
             if was_closed and self.breaker.state == "open" or not self._logged:
                 self._logged = True
                 logger.warning("remote cache %s unavailable (%s: %s); requests recompute, breaker %s",
-                               self._safe_url(), type(exc).__name__, exc, self.breaker.state)
+                               self.safe_url(), type(exc).__name__, exc, self.breaker.state)
             await self._reset()
             return None
         self.breaker.success()
@@ -132,7 +132,7 @@ class RemoteTier:
             except Exception:  # a dead connection may fail to close; it is dropped either way
                 pass
 
-    def _safe_url(self) -> str:
+    def safe_url(self) -> str:
         url = self.url
         if "@" in url:  # never log a password
             scheme, rest = url.split("://", 1)
