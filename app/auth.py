@@ -1,4 +1,4 @@
-"""Request dependencies: the caller's tenant, the admin check, and the serving engine.
+"""Request dependencies: the caller's tenant, the admin check, docs access, and the serving engine.
 
 `Authorization: Bearer <key>` resolves to a `Tenant` through the registry (hashed keys, constant
 time); with no tenants configured every caller is the anonymous tenant and keys are ignored.
@@ -6,11 +6,12 @@ time); with no tenants configured every caller is the anonymous tenant and keys 
 
 from __future__ import annotations
 
-from typing import Annotated
+import math
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from app.errors import AuthenticationError
+from app.errors import APIError, AuthenticationError
 from app.settings import Settings
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineDeadError, EngineNotReadyError
@@ -56,11 +57,49 @@ def require_admin(request: Request, registry: Annotated[TenantRegistry, Depends(
         raise AuthenticationError("This endpoint needs the admin API key.")
 
 
+def require_docs_access(request: Request, registry: Annotated[TenantRegistry, Depends(get_registry)]) -> None:
+    """`[server] docs = "auth"`: any tenant's key or the admin key opens /docs and /openapi.json.
+
+    With no tenants and no admin key there is no key to ask for, so the docs are open, as
+    `/admin/*` is.
+    """
+    token = bearer_token(request)
+    if registry.is_admin(token) or (not registry.open and registry.authenticate(token) is not None):
+        return
+    raise AuthenticationError("The API docs need a tenant or admin API key: send it as 'Authorization: "
+                              "Bearer <key>' (e.g. curl /openapi.json), or set [server] docs = \"public\".")
+
+
+class ServerDrainingError(APIError):
+    """503 while the server drains: new work belongs to another replica or to the restarted server.
+
+    `Retry-After` lets clients and load balancers back off instead of failing the request, and
+    `Connection: close` makes them open a new connection (possibly to another replica) for it.
+    """
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__("The server is shutting down; retry shortly (another replica, or this one once "
+                         "restarted).", headers=draining_headers(retry_after_s))
+
+
+def draining_headers(retry_after_s: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(retry_after_s))), "Connection": "close"}
+
+
+def drain_retry_after_s(state: Any) -> float:
+    """`Retry-After` while draining: the drain's longest length, after which this server is gone
+    (and restarted by its supervisor, or replaced by another replica behind the balancer)."""
+    return float(state.settings.server.shutdown_timeout_s)
+
+
 def get_engine(request: Request) -> AsyncEngine:
     """The running engine; 503 while it loads, after it failed, or while the server drains."""
     state = request.app.state
     if state.draining:
-        raise EngineNotReadyError("The server is shutting down.")
+        raise ServerDrainingError(drain_retry_after_s(state))
     engine = state.engine
     if engine is None:
         if state.load_error is not None:
@@ -75,5 +114,6 @@ def get_engine(request: Request) -> AsyncEngine:
 
 CurrentTenant = Annotated[Tenant, Depends(get_tenant)]
 AdminAccess = Depends(require_admin)
+DocsAccess = Depends(require_docs_access)
 Engine = Annotated[AsyncEngine, Depends(get_engine)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]

@@ -1,14 +1,19 @@
 """The `kvgate` command: `serve` and `build-tiny-model`.
 
-Heavy imports (torch, transformers, the app) happen inside the subcommands, so `kvgate --help`
-and configuration errors answer at once.
+Heavy imports (torch, transformers, the app) happen inside the subcommands, and `serve` checks
+what can fail fast (the configuration, the listening address, whether the model exists) before
+anything slow starts, so each of those answers at once with one line and a non-zero status.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import logging
+import os
 import signal
+import socket
 import sys
 from collections.abc import Generator
 from types import FrameType
@@ -16,11 +21,18 @@ from typing import Any
 
 import uvicorn
 
+logger = logging.getLogger("app.cli")
+
+EXIT_FATAL = 1  # the model failed to load after start, or the engine process kept crashing
+EXIT_USAGE = 2  # bad configuration, address in use, model not found: fix the command and rerun
+
 _SERVE_EPILOG = """\
 configuration:
   TOML file from --config, else $KVGATE_CONFIG, else built-in defaults; flags override it.
   Sections: [model] path/dtype/max_model_len, [server] host/port/max_queue/secret/
-  max_body_bytes/shutdown_timeout_s, [engine] device/max_num_seqs/max_num_batched_tokens/
+  max_body_bytes/shutdown_timeout_s/max_fanout (most engine sequences one request may start,
+  prompts x n; default 128)/docs (public|auth|off: /docs and /openapi.json; default public,
+  auth once tenants exist), [engine] device/max_num_seqs/max_num_batched_tokens/
   num_threads/enable_prefix_caching/pack_weights, [cache] block_size/eviction (lru|s3fifo),
   [cache.device] num_blocks, [cache.host] capacity_mb (0 = off), [cache.disk] path/capacity_mb
   (0 = off), [cache.remote] url/cluster/ttl_s/write (through|back; section absent = off),
@@ -30,11 +42,19 @@ environment:
   KVGATE_CONFIG     config file when --config is absent
   KVGATE_CACHE_DIR  cache folder (models, server secret, disk KV tier); default ~/.cache/kvgate
   KVGATE_SECRET     server secret for tenant salts when [server] secret is absent
+  HF_HUB_OFFLINE=1  a hub id is served only from the local Hugging Face cache (no network)
 
 KV-cache tiers: device blocks evicted from the pool move to CPU memory (--host-cache-mb, on
   by default), then to files on disk (--disk-cache, on by default); with --remote-cache they are
   also shared through Redis with every replica on the same store. A later request with the same
   prefix loads them instead of recomputing, also after a restart.
+
+signals: SIGTERM or Ctrl-C drains: new requests get 503 with Retry-After while in-flight ones
+  get [server] shutdown_timeout_s to finish; then the server exits 0. A second one exits at once.
+
+exit status: 0 after a drain; 1 if the model failed to load or the engine process kept
+  crashing; 2 for a bad configuration, an address in use or a model that cannot be found
+  (checked before anything slow starts).
 
 examples:
   kvgate serve --model tiny --port 8000
@@ -101,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build_tiny_model(args: argparse.Namespace) -> int:
+    from app.logging import progress_bars_only_on_terminal
     from engine.tiny_model import main as tiny_main
+
+    progress_bars_only_on_terminal()
 
     return tiny_main([args.dir, "--seed", str(args.seed), "--size", args.size])
 
@@ -109,6 +132,7 @@ def _build_tiny_model(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from app.logging import configure_logging
     from app.settings import ConfigError, load_settings, log_settings_warnings
+    from engine.model_source import ModelSourceError, check_model_source
 
     configure_logging(args.log_level)
     overrides = {"model.path": args.model, "server.host": args.host, "server.port": args.port,
@@ -123,43 +147,113 @@ def _serve(args: argparse.Namespace) -> int:
         settings = load_settings(args.config, overrides)
         settings.tenant_registry()  # fail fast on bad tenants or secret
     except ConfigError as exc:
-        print(f"kvgate: error: {exc}", file=sys.stderr)
-        return 2
+        return _usage_error(str(exc))
+    host, port = settings.server.host, settings.server.port
+    try:
+        listener = bind_listener(host, port)
+    except OSError as exc:
+        return _usage_error(_bind_error_message(host, port, exc))
+    try:
+        note = check_model_source(settings.model.path)
+    except ModelSourceError as exc:
+        listener.close()
+        return _usage_error(str(exc))
+    if note:
+        logger.warning("%s", note)
     log_settings_warnings(settings)
 
     from app.main import create_app
 
     app = create_app(settings)
-    config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port, log_config=None,
-                            access_log=False, lifespan="on",
+    config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=int(settings.server.shutdown_timeout_s) + 5)
     server = _Server(config, app)
     exit_code = 0
 
     def fatal(exc: BaseException) -> None:
         nonlocal exit_code
-        exit_code = 1
+        exit_code = EXIT_FATAL
+        server.should_exit = True
+
+    def drained() -> None:
         server.should_exit = True
 
     app.state.on_fatal = fatal
-    server.run()
+    app.state.on_drained = drained
+    shown = f"[{host}]" if ":" in host else host
+    logger.info("listening on http://%s:%d (Ctrl-C or SIGTERM drains and stops)", shown,
+                listener.getsockname()[1])
+    try:
+        server.run(sockets=[listener])
+    finally:
+        listener.close()
     return exit_code
 
 
+def _usage_error(message: str) -> int:
+    print(f"kvgate: error: {message}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+def bind_listener(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """Create the server's listening socket now, so a taken address fails before the model loads.
+
+    uvicorn would bind only after its startup, by when the lifespan has begun loading (and
+    possibly downloading and converting) the model. The socket is handed to uvicorn as is.
+    """
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)  # "localhost": 127.0.0.1, what clients try
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart over TIME_WAIT, as uvicorn
+        sock.bind(address)
+        sock.listen(backlog)
+        sock.set_inheritable(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _bind_error_message(host: str, port: int, exc: OSError) -> str:
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return (f"cannot listen on {where}: the address is already in use; pass another --port "
+                f"(or [server] port) or stop the process that holds it")
+    if exc.errno == errno.EACCES:
+        return (f"cannot listen on {where}: permission denied (ports below 1024 need privileges); "
+                f"pass --port 1024 or higher")
+    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+        return (f"cannot listen on {where}: {exc.strerror or exc}; pass --host with an address of this "
+                f"machine (127.0.0.1, 0.0.0.0 or ::)")
+    return f"cannot listen on {where}: {exc.strerror or exc}; pass another --host/--port"
+
+
 class _Server(uvicorn.Server):
-    """uvicorn's server, marking the app as draining on SIGTERM/SIGINT and exiting 0 after it."""
+    """uvicorn's server, draining on SIGTERM/SIGINT with the listener open, and exiting 0 after it.
+
+    The first signal does not set `should_exit` (that would close the listener at once and
+    refuse new connections): it starts the app's drain, whose end calls `should_exit` through
+    `app.state.on_drained`. A second signal exits at once, status 128 + signal number.
+    """
 
     def __init__(self, config: Any, app: Any) -> None:
         super().__init__(config)
         self._app = app
+        self._signals = 0
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         from app.main import begin_drain
 
+        self._signals += 1
+        if self._signals > 1:
+            _exit_now(sig)
         loop = self._app.state.loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(begin_drain, self._app)
-        super().handle_exit(sig, frame)
+        if loop is None or loop.is_closed():  # the app has not started: nothing to drain
+            self.should_exit = True
+            return
+        loop.call_soon_threadsafe(begin_drain, self._app)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -172,6 +266,15 @@ class _Server(uvicorn.Server):
         finally:
             for sig, handler in original.items():
                 signal.signal(sig, handler)
+
+
+def _exit_now(sig: int) -> None:
+    """Second signal: leave without draining. The engine process dies with us (see engine.backends)."""
+    name = signal.Signals(sig).name
+    message = f"kvgate: {name} again: exiting now without finishing the drain\n"
+    with contextlib.suppress(OSError):
+        os.write(sys.stderr.fileno(), message.encode())
+    os._exit(128 + sig)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.protocol import ErrorDetail, ErrorResponse
-from engine.errors import EngineDeadError, EngineError, EngineOverloadedError
+from engine.errors import EngineError, EngineNotReadyError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +60,16 @@ class ModelNotFoundError(APIError):
                          param="model", code="model_not_found")
 
 
+def _printable(text: str | None) -> str | None:
+    """`text` with anything UTF-8 cannot encode (lone surrogates a client sent) escaped."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
-    return ErrorResponse(error=ErrorDetail(message=message, type=error_type, param=param,
-                                           code=code)).model_dump()
+    return ErrorResponse(error=ErrorDetail(message=_printable(message) or "", type=error_type,
+                                           param=_printable(param), code=code)).model_dump()
 
 
 def error_response(status: int, message: str, error_type: str | None = None, param: str | None = None,
@@ -76,8 +83,8 @@ def engine_error_response(exc: EngineError) -> JSONResponse:
     headers = None
     if isinstance(exc, EngineOverloadedError):
         headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
-    elif isinstance(exc, EngineDeadError):
-        headers = {"Retry-After": "5"}  # an engine restart takes seconds
+    elif isinstance(exc, EngineNotReadyError):
+        headers = {"Retry-After": "5"}  # loading, restarting or draining: seconds, not minutes
     return error_response(exc.status_code, exc.message, exc.error_type, exc.param, exc.code, headers)
 
 
@@ -98,6 +105,9 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
         detail = first.get("ctx", {}).get("error", "")
         return error_response(400, f"Invalid JSON body: {detail}".rstrip(": "), code="invalid_json")
     param = _param_from_loc(tuple(first.get("loc", ())))
+    if first.get("type") == "extra_forbidden":
+        return error_response(400, f"Unrecognized request argument supplied: {param}", param=param,
+                              code="unknown_parameter")
     if param is None and first.get("type") == "missing":
         return error_response(400, "A JSON request body is required.")
     if param is None and first.get("type") in ("model_attributes_type", "dict_type"):

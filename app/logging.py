@@ -3,13 +3,23 @@
 One line per request once its last body byte is sent (so streams are logged when they end):
 `request_id tenant method path status prompt_tokens completion_tokens cached_tokens ttft_ms
 duration_ms`, as `key=value` pairs and as `extra` fields for JSON log handlers. Handlers add
-their figures to `request.state` (`tenant`, `completion_id`, `usage`, `ttft_s`, `disconnected`).
+their figures to `request.state` (`tenant`, `completion_id`, `usage`, `ttft_s`, `disconnected`,
+`stream_error`). A stream's status line went out as 200 before it could fail, so the log shows
+what really happened: 499 when the client left, the error's status (503 for a stream cut by
+shutdown) when the stream ended with an error event.
+
+`/health` and `/ready` are logged at DEBUG: load balancers and `kvgate`'s own tests poll them
+every second, which would bury the requests that matter. The counters key requests by route
+template (`/v1/models/{model_id:path}`), with every unrouted URL in one `unmatched` bucket, so
+that scanning random URLs cannot grow `/admin/metrics` without bound.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 import time
 import uuid
 from collections import Counter
@@ -21,11 +31,58 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 access_logger = logging.getLogger("kvgate.access")
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+QUIET_PATHS = frozenset({"/health", "/ready"})
+UNMATCHED = "unmatched"
 
 
 def configure_logging(level: str = "info") -> None:
-    """Plain `key=value` lines on stderr for the app, uvicorn and the engine."""
+    """Plain `key=value` lines on stderr for the app, uvicorn and the engine.
+
+    Also the engine process's initializer. When stderr is not a terminal (a log file, journald,
+    a pipe) progress bars are turned off: their carriage-return redraws run together into one
+    unreadable line there, and KVGate logs each step of a download or conversion as a line anyway.
+    """
     logging.basicConfig(level=level.upper(), format=_LOG_FORMAT)
+    progress_bars_only_on_terminal()
+
+
+def progress_bars_only_on_terminal() -> None:
+    """Turn progress bars off unless stderr is a terminal (where their redraws work)."""
+    if not _is_terminal(sys.stderr):
+        disable_progress_bars()
+
+
+def disable_progress_bars() -> None:
+    """Silence tqdm bars of huggingface_hub, transformers and tqdm itself, here and in children.
+
+    The environment variables reach processes started later (the engine process) and libraries
+    imported later; the calls cover libraries that are already imported. A value the user set
+    is kept.
+    """
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars as hub_disable
+
+        hub_disable()
+    if "transformers" in sys.modules:
+        from transformers.utils.logging import disable_progress_bar
+
+        disable_progress_bar()
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # replaced or closed stream
+        return False
+
+
+def route_label(scope: Scope) -> str:
+    """The route template that served the request (`/v1/models/{model_id:path}`), or `unmatched`."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) and path else UNMATCHED
 
 
 @dataclass
@@ -102,10 +159,12 @@ class AccessLogMiddleware:
         if state.get("disconnected"):
             status = 499
             self.counters.client_disconnects += 1
+        elif state.get("stream_error"):
+            status = int(state["stream_error"])
         counters = self.counters
         counters.requests_total += 1
         counters.by_status[status] += 1
-        counters.by_path[scope["path"]] += 1
+        counters.by_path[route_label(scope)] += 1
         counters.prompt_tokens_total += usage.get("prompt_tokens", 0)
         counters.cached_tokens_total += usage.get("cached_tokens", 0)
         counters.completion_tokens_total += usage.get("completion_tokens", 0)
@@ -123,5 +182,7 @@ class AccessLogMiddleware:
             "ttft_ms": None if ttft is None else round(ttft * 1000, 1),
             "duration_ms": round((time.perf_counter() - started) * 1000, 1),
         }
-        line = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
-        access_logger.info(line, extra={"access": fields})
+        level = logging.DEBUG if scope["path"] in QUIET_PATHS else logging.INFO
+        if access_logger.isEnabledFor(level):
+            line = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+            access_logger.log(level, line, extra={"access": fields})

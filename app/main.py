@@ -3,6 +3,10 @@
 `/health` answers as soon as the process serves HTTP; `/ready` (and every `/v1/*` call) turns to
 200 once the model is loaded in the engine process, and to 503 while draining or while a crashed
 engine process restarts (see `engine.async_engine`).
+
+Draining (`begin_drain`, on SIGTERM/SIGINT) keeps the listener open: new connections still get
+an answer, a 503 with `Retry-After`, instead of "connection refused", while requests in flight
+finish. Only when the engine's drain is done does `on_drained` tell the HTTP server to stop.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app import routes_admin, routes_openai
+from app.api_docs import install_docs
 from app.errors import BodySizeLimitMiddleware, install_exception_handlers
 from app.logging import AccessLogMiddleware, RequestCounters, configure_logging
 from app.settings import Settings
@@ -27,7 +32,9 @@ logger = logging.getLogger(__name__)
 
 def create_app(settings: Settings, engine: AsyncEngine | None = None) -> FastAPI:
     """Build the app; with `engine` given it serves that engine instead of loading one."""
-    app = FastAPI(title="KVGate", version="0.1.0", lifespan=_lifespan)
+    # The built-in docs routes are off: app.api_docs serves them without a CDN, per [server] docs.
+    app = FastAPI(title="KVGate", version="0.1.0", lifespan=_lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     state = app.state
     state.settings = settings
     state.registry = settings.tenant_registry()
@@ -38,12 +45,14 @@ def create_app(settings: Settings, engine: AsyncEngine | None = None) -> FastAPI
     state.drain_task = None
     state.loop = None
     state.on_fatal = None  # set by the CLI: called with the exception if the model fails to load
+    state.on_drained = None  # set by the CLI: called once the drain is over, to stop the HTTP server
     state.counters = RequestCounters()
     state.started_at = int(time.time())
     state.fingerprint = "fp_kvgate"
     install_exception_handlers(app)
     app.include_router(routes_openai.router)
     app.include_router(routes_admin.router)
+    install_docs(app, settings.server.docs_mode(has_tenants=bool(settings.tenants)))
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.server.max_body_bytes)
     app.add_middleware(AccessLogMiddleware, counters=state.counters)
     return app
@@ -72,26 +81,44 @@ async def _load_engine(app: FastAPI) -> None:
         engine.on_fatal = app.state.on_fatal
         _serve_engine(app, engine)
     except Exception as exc:
+        # One line: the message says what is wrong; the traceback only helps a developer.
         app.state.load_error = exc
-        logger.exception("model failed to load model=%s", config.model)
+        logger.error("model failed to load model=%s: %s%s", config.model, exc,
+                     "" if logger.isEnabledFor(logging.DEBUG) else " (--log-level debug shows the traceback)",
+                     exc_info=logger.isEnabledFor(logging.DEBUG))
         if app.state.on_fatal is not None:
             app.state.on_fatal(exc)
 
 
 def begin_drain(app: FastAPI) -> None:
-    """Stop taking requests and start the engine's shutdown (call on the event loop).
+    """Stop taking requests and start the engine's drain (call on the event loop; idempotent).
 
     The engine lets in-flight requests finish for `server.shutdown_timeout_s`, then aborts the
-    rest, whose streams end with an error event and `[DONE]`; uvicorn meanwhile waits for the
-    connections to close before running the lifespan shutdown.
+    rest, whose streams end with an error event and `[DONE]`. Meanwhile the listener stays open
+    and new requests get 503 with `Retry-After`. When the engine's drain is done (or at once,
+    when no engine is loaded yet) `state.on_drained` is called, which stops the HTTP server.
     """
     state = app.state
     if state.draining:
         return
     state.draining = True
-    if state.engine is not None:
-        state.drain_task = asyncio.ensure_future(
-            state.engine.shutdown(timeout_s=state.settings.server.shutdown_timeout_s))
+    engine = state.engine
+    if engine is None:
+        _drained(app)
+        return
+    timeout_s = state.settings.server.shutdown_timeout_s
+    logger.info("draining: no new requests, in-flight ones get up to %ss to finish", timeout_s)
+    state.drain_task = asyncio.ensure_future(engine.shutdown(timeout_s=timeout_s))
+    state.drain_task.add_done_callback(lambda _task: _drained(app))
+
+
+def _drained(app: FastAPI) -> None:
+    task = app.state.drain_task
+    if task is not None and not task.cancelled() and task.exception() is not None:
+        logger.error("engine drain failed: %s", task.exception())
+    logger.info("drain complete")
+    if app.state.on_drained is not None:
+        app.state.on_drained()
 
 
 @asynccontextmanager
@@ -110,8 +137,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if loader is not None and not loader.done():
             loader.cancel()
         if state.drain_task is not None:
-            await state.drain_task
-        if state.engine is not None:
+            await asyncio.gather(state.drain_task, return_exceptions=True)
+        elif state.engine is not None:  # stopped without a drain (e.g. the model's loading failed)
             logger.info("shutting down engine timeout_s=%s", state.settings.server.shutdown_timeout_s)
             await state.engine.shutdown(timeout_s=state.settings.server.shutdown_timeout_s)
+        pool = getattr(state, "prompt_pool", None)
+        if pool is not None:
+            pool.close()
         logger.info("shutdown complete")

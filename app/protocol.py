@@ -1,27 +1,70 @@
 """OpenAI protocol models: requests in, responses and stream chunks out, and the error body.
 
-Requests ignore unknown fields (clients send many optional ones), but fields that would change
-the result and that KVGate does not implement (`echo`, `suffix`, `logit_bias`, tools, ...) are
-rejected with a 400 naming them rather than silently ignored.
+Requests are as strict as OpenAI's API: types are not coerced (`"max_tokens": "5"` and
+`"stream": "yes"` are 400s, as `true` for an integer is), every string must be valid Unicode
+(a lone UTF-16 surrogate such as `"\\ud800"` is a 400 naming the field), and a top-level field
+OpenAI's API does not define is refused ("Unrecognized request argument"), not silently ignored.
+Fields OpenAI defines that do not change the output here (`user`, `metadata`, `store`, ...) are
+accepted and ignored; fields that would change it and that KVGate does not implement (`echo`,
+`suffix`, `logit_bias`, tools, functions, audio, ...) are refused with a 400 naming them.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic_core import PydanticCustomError
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length"]
 
+MAX_MESSAGES = 4096  # chat messages per request (checked before any message is parsed)
+MAX_PROMPTS = 4096  # prompts in one completion request's list (server.max_fanout is usually lower)
+
+
+def _bad_string(value: Any, where: str = "") -> str | None:
+    """Where in `value` (a JSON value) a string that is not valid Unicode sits, or None."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "the value"
+        return None
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _bad_string(item, f"{where}[{i}]")
+            if found is not None:
+                return found
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _bad_string(key, f"{where} key {key!r}") or _bad_string(item, f"{where}.{key}")
+            if found is not None:
+                return found
+    return None
+
 
 class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        found = _bad_string(value)
+        if found is not None:
+            raise PydanticCustomError(
+                "invalid_unicode", "the string at {where} is not valid Unicode (it holds a lone UTF-16 "
+                "surrogate); send text encoded as UTF-8", {"where": found})
+        return value
 
 
 class StreamOptions(RequestModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
     include_usage: bool = False
 
 
@@ -29,7 +72,7 @@ class _GenerationRequest(RequestModel):
     """Fields shared by completions and chat completions (OpenAI names, plus vLLM's extras)."""
 
     model: str
-    n: int = 1
+    n: int | None = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
@@ -37,7 +80,7 @@ class _GenerationRequest(RequestModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     # extras
     top_k: int | None = None
@@ -63,6 +106,10 @@ class _GenerationRequest(RequestModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true",
                                       param="stream_options")
+        if self.stream is None:
+            self.stream = False
+        if self.n is None:
+            self.n = 1
         if self.cache_salt is not None and not self.cache_salt:
             raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
 
@@ -87,8 +134,16 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _few_prompts(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS and prompt and not isinstance(prompt[0], int):
+            raise PydanticCustomError("too_long", "at most {limit} prompts per request, got {count}",
+                                      {"limit": MAX_PROMPTS, "count": len(prompt)})
+        return prompt
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -108,31 +163,81 @@ class CompletionRequest(_GenerationRequest):
 
 
 class ContentPart(RequestModel):
+    """One part of a message's content; only `text` parts are served (the others are refused)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
     type: str
     text: str | None = None
 
 
 class ChatMessage(RequestModel):
+    """A chat message with OpenAI's fields, so an SDK response message can be sent back as is."""
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    annotations: list[Any] | None = None
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    # OpenAI fields that do not change the output here: accepted and ignored
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI fields that would change the output: refused unless absent or neutral
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_messages(cls, messages: Any) -> Any:
+        if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
+            raise PydanticCustomError("too_long", "at most {limit} messages per request, got {count}",
+                                      {"limit": MAX_MESSAGES, "count": len(messages)})
+        return messages
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise InvalidRequestError("tools are not supported", param="tools")
+        if self.tools is not None:
+            raise InvalidRequestError("tools are not supported by this server", param="tools")
         if self.tool_choice not in (None, "none"):
             raise InvalidRequestError("tool_choice is not supported", param="tool_choice")
+        if self.functions is not None:
+            raise InvalidRequestError("functions are not supported by this server", param="functions")
+        if self.function_call not in (None, "none"):
+            raise InvalidRequestError("function_call is not supported", param="function_call")
+        for name in ("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity"):
+            if getattr(self, name) is not None:
+                raise InvalidRequestError(f"{name} is not supported by this model", param=name)
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise InvalidRequestError('only modalities ["text"] is supported', param="modalities")
+        for i, message in enumerate(self.messages):
+            for name in ("tool_calls", "function_call", "audio"):
+                if getattr(message, name):
+                    raise InvalidRequestError(f"messages with {name} are not supported",
+                                              param=f"messages[{i}].{name}")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if not self.messages:

@@ -1,8 +1,8 @@
 """Operational endpoints: `/health`, `/ready`, and `GET /admin/metrics` (admin key once configured).
 
-The full admin API (archetype, traces, dashboard, Prometheus) is a later issue; this file serves
-what operators and tests need now: liveness, readiness, the engine's block accounting, and
-attaching or detaching cache tiers at run time (`/admin/tiers`).
+The full admin API (archetype, traces, dashboard, Prometheus) is planned (docs/CONTRACT.md,
+"Planned"); this file serves what operators and tests need now: liveness, readiness, the
+engine's block accounting, and attaching or detaching cache tiers at run time (`/admin/tiers`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.auth import AdminAccess, Engine
+from app.auth import AdminAccess, Engine, drain_retry_after_s, draining_headers
 
 router = APIRouter(tags=["admin"])
 
@@ -29,9 +29,10 @@ async def ready(request: Request) -> JSONResponse:
     """200 once the model is loaded and the engine runs; 503 while loading, failed or draining."""
     state = request.app.state
     engine = state.engine
-    if state.draining:
-        status = "draining"
-    elif engine is None:
+    if state.draining:  # the listener stays open while in-flight requests finish: say when to retry
+        return JSONResponse({"status": "draining"}, status_code=503,
+                            headers=draining_headers(drain_retry_after_s(state)))
+    if engine is None:
         status = "failed" if state.load_error is not None else "loading"
     elif not engine.ready:
         status = engine.status if engine.status in ("restarting", "failed") else "not_ready"

@@ -1,8 +1,9 @@
 """`/v1/models`, `/v1/completions`, `/v1/chat/completions`: HTTP requests → engine requests.
 
-Each handler checks the model and the unsupported fields, turns the prompt into token ids (chat
-messages through the model's chat template), submits one engine request per prompt with the
-tenant's namespace salt, then either streams SSE chunks or collects the whole response. A client
+Each handler checks the model, the unsupported fields and the request's fan-out, turns the prompt
+into token ids off the event loop (`app.prompts`; chat messages through the model's chat
+template), submits one engine request per prompt with the tenant's namespace salt (all or none),
+then either streams SSE chunks or collects the whole response. A client
 that disconnects, streaming or not, aborts its engine requests.
 """
 
@@ -17,11 +18,11 @@ from fastapi import APIRouter, Request, Response
 
 from app.auth import CurrentTenant, Engine
 from app.errors import ModelNotFoundError
+from app.prompts import PromptBuilder, PromptPool, check_fanout
 from app.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
     ChatMessageOut,
     CompletionChoice,
     CompletionRequest,
@@ -38,8 +39,6 @@ from tenants.registry import Tenant
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
-_CHAT_ROLES = ("system", "user", "assistant", "developer")
-_THREAD_TOKENIZE_CHARS = 4096  # longer texts are tokenized off the event loop
 _T = TypeVar("_T")
 
 
@@ -59,7 +58,10 @@ async def create_completion(body: CompletionRequest, request: Request, tenant: C
                             engine: Engine) -> Response | CompletionResponse:
     _check_model(body.model, engine)
     body.check_supported()
-    prompts = await _completion_prompts(engine, body.prompt)
+    num_prompts = len(body.prompt) if isinstance(body.prompt, list) and body.prompt \
+        and not isinstance(body.prompt[0], int) else 1
+    check_fanout(num_prompts, body.n or 1, request.app.state.settings.server.max_fanout, engine.max_sequences)
+    prompts = await _builder(request, engine).completion(body.prompt)
     params = [body.sampling_params(_remaining(engine, p)) for p in prompts]
     job = _submit(request, engine, f"cmpl-{uuid.uuid4().hex}", prompts, params, tenant, body.cache_salt,
                   prompt_param="prompt")
@@ -81,7 +83,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                                  engine: Engine) -> Response | ChatCompletionResponse:
     _check_model(body.model, engine)
     body.check_supported()
-    prompt = await _chat_prompt(engine, body.messages)
+    check_fanout(1, body.n or 1, request.app.state.settings.server.max_fanout, engine.max_sequences)
+    prompt = await _builder(request, engine).chat(body.messages)
     params = body.sampling_params(_remaining(engine, prompt))
     job = _submit(request, engine, f"chatcmpl-{uuid.uuid4().hex}", [prompt], [params], tenant,
                   body.cache_salt, prompt_param="messages")
@@ -117,90 +120,26 @@ def _remaining(engine: AsyncEngine, prompt: list[int]) -> int:
     return max(1, engine.max_model_len - len(prompt))
 
 
-async def _tokenize(engine: AsyncEngine, text: str, add_special_tokens: bool = True) -> list[int]:
-    def encode() -> list[int]:
-        return list(engine.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-
-    return await asyncio.to_thread(encode) if len(text) > _THREAD_TOKENIZE_CHARS else encode()
-
-
-def _non_empty(ids: list[int], param: str) -> list[int]:
-    """Token ids as a list; empty prompts are refused here so the error names which one."""
-    if not ids:
-        raise InvalidRequestError("The prompt must not be empty.", param=param)
-    return ids
-
-
-async def _completion_prompts(engine: AsyncEngine, prompt: Any) -> list[list[int]]:
-    """String, list of strings, token ids or list of token-id lists → one id list per prompt."""
-    if isinstance(prompt, str):
-        return [_non_empty(await _tokenize(engine, prompt), "prompt")]
-    if not prompt:
-        raise InvalidRequestError("The prompt must not be empty.", param="prompt")
-    if isinstance(prompt[0], int):
-        return [list(prompt)]
-    if isinstance(prompt[0], str):
-        return [_non_empty(await _tokenize(engine, p), f"prompt[{i}]") for i, p in enumerate(prompt)]
-    return [_non_empty(list(p), f"prompt[{i}]") for i, p in enumerate(prompt)]
-
-
-async def _chat_prompt(engine: AsyncEngine, messages: list[ChatMessage]) -> list[int]:
-    """Messages → the chat template's text (with the assistant turn opened) → token ids."""
-    tokenizer = engine.tokenizer
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise InvalidRequestError("This model has no chat template; use /v1/completions.",
-                                  param="messages")
-    has_developer = "developer" in str(template)
-    conversation = []
-    for i, message in enumerate(messages):
-        if message.role not in _CHAT_ROLES:
-            raise InvalidRequestError(f"Unsupported role {message.role!r}; use one of {', '.join(_CHAT_ROLES)}.",
-                                      param=f"messages[{i}].role")
-        role = "system" if message.role == "developer" and not has_developer else message.role
-        conversation.append({"role": role, "content": _message_text(message, i)})
-    try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # jinja2 TemplateError, ValueError: the messages do not fit the template
-        raise InvalidRequestError(f"The messages do not fit the model's chat template: {exc}",
-                                  param="messages") from exc
-    return await _tokenize(engine, text, add_special_tokens=False)
-
-
-def _message_text(message: ChatMessage, i: int) -> str:
-    content = message.content
-    if content is None:
-        if message.role != "assistant":
-            raise InvalidRequestError("Message content must not be null.", param=f"messages[{i}].content")
-        return ""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for j, part in enumerate(content):
-        if part.type != "text":
-            raise InvalidRequestError(f"Content part type {part.type!r} is not supported; only 'text' is.",
-                                      param=f"messages[{i}].content[{j}].type")
-        if part.text is None:
-            raise InvalidRequestError("A text content part needs 'text'.",
-                                      param=f"messages[{i}].content[{j}].text")
-        texts.append(part.text)
-    return "\n".join(texts)
+def _builder(request: Request, engine: AsyncEngine) -> PromptBuilder:
+    """The serving engine's prompt builder, on the app's tokenizer pool (created on first use)."""
+    state = request.app.state
+    pool = getattr(state, "prompt_pool", None)
+    if pool is None:
+        pool = state.prompt_pool = PromptPool()
+    return pool.builder(engine.tokenizer, engine.max_model_len)
 
 
 def _submit(request: Request, engine: AsyncEngine, job_id: str, prompts: list[list[int]],
             params: list[SamplingParams], tenant: Tenant, cache_salt: str | None, prompt_param: str) -> Job:
     """Add one engine request per prompt; if any is refused, abort those already added."""
     request_ids = [job_id] if len(prompts) == 1 else [f"{job_id}-{i}" for i in range(len(prompts))]
-    streams = []
     try:
-        for request_id, prompt, sampling in zip(request_ids, prompts, params, strict=True):
-            streams.append(engine.add_request(GenerateRequest(
-                request_id=request_id, prompt_token_ids=prompt, params=sampling,
-                namespace_salt=tenant.salt, cache_salt=cache_salt, tenant=tenant.name)))
-    except BaseException as exc:
-        for request_id in request_ids[:len(streams)]:
-            engine.abort(request_id)
-        if isinstance(exc, InvalidRequestError) and exc.param == "prompt":
+        streams = engine.add_requests([
+            GenerateRequest(request_id=request_id, prompt_token_ids=prompt, params=sampling,
+                            namespace_salt=tenant.salt, cache_salt=cache_salt, tenant=tenant.name)
+            for request_id, prompt, sampling in zip(request_ids, prompts, params, strict=True)])
+    except InvalidRequestError as exc:
+        if exc.param == "prompt":
             exc.param = prompt_param
         raise
     return Job(id=job_id, model=engine.model_name, fingerprint=request.app.state.fingerprint,

@@ -47,6 +47,16 @@ class ServerSettings(_Section):
     secret: str | None = Field(default=None, repr=False)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     shutdown_timeout_s: float = Field(default=10.0, ge=0)
+    # Most engine sequences one request may start (prompts in a list × n); larger requests get 400.
+    max_fanout: int = Field(default=128, gt=0)
+    # /docs and /openapi.json: public | auth (any tenant or the admin key) | off;
+    # default: public without tenants, auth once tenants are configured.
+    docs: Literal["public", "auth", "off"] | None = None
+
+    def docs_mode(self, has_tenants: bool) -> str:
+        if self.docs is not None:
+            return self.docs
+        return "auth" if has_tenants else "public"
 
 
 class EngineSettings(_Section):

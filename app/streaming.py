@@ -195,8 +195,10 @@ async def _guard(job: Job, chunks: AsyncIterator[str]) -> AsyncGenerator[str, No
         async for chunk in chunks:
             yield chunk
     except EngineError as exc:
+        job.state.stream_error = exc.status_code  # the access log's status (the 200 went out already)
         yield sse(error_body(exc.message, exc.error_type, exc.param, exc.code))
     except Exception:
+        job.state.stream_error = 500
         logger.exception("stream failed completion_id=%s", job.id)
         yield sse(error_body("The server had an error while streaming.", "server_error"))
     yield DONE

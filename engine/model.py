@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from engine.model_source import check_local_folder, is_path_like
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -95,7 +97,7 @@ def load_model(model: str, dtype: str = "float32", device: str = "auto") -> Load
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model {path!r} has model_type {config.model_type!r}; KVGate serves only "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)} models (e.g. 'default' or 'tiny')")
-    logger.info("loading model", extra={"path": path, "dtype": dtype, "device": str(torch_device)})
+    logger.info("loading weights path=%s dtype=%s device=%s", path, dtype, torch_device)
     hf_model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     hf_model.to(torch_device).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -148,16 +150,14 @@ def _update(digest: Any, *parts: bytes) -> None:
 
 
 def _check_location(path: str) -> None:
-    """Reject a missing local folder early, with a message that says what to pass instead."""
+    """Reject a missing local folder early, with a message that says what to pass instead.
+
+    Only local checks here: the hub is probed (once, briefly) by `kvgate serve` before the
+    engine starts, see `engine.model_source`.
+    """
     local = Path(path).expanduser()
-    if local.is_dir():
-        if not (local / "config.json").is_file():
-            raise ValueError(f"model folder {path} has no config.json; pass a folder written by "
-                             "save_pretrained, a hub id, 'tiny' or 'default'")
-        return
-    if local.exists() or not _HUB_ID.match(path):
-        raise FileNotFoundError(f"model folder {path} not found; pass a local HF folder, a hub id, "
-                                "'tiny' or 'default'")
+    if is_path_like(path) or local.exists() or not _HUB_ID.match(path):
+        check_local_folder(path)
 
 
 def _served_name(model: str, path: str) -> str:

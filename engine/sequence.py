@@ -24,6 +24,7 @@ class Sequence:
 
     ``num_computed_tokens`` counts tokens whose KV is in the pool; a step computes the next
     ``num_tokens - num_computed_tokens`` (or a chunk of them) and samples once it catches up.
+    ``tenant`` names who asked ("" = anonymous): the scheduler shares slots and blocks by it.
     """
 
     seq_id: str
@@ -42,6 +43,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         if not self.token_ids:

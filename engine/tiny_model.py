@@ -173,7 +173,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, size: str = "tiny") -> 
         raise ValueError(f"unknown tiny model size {size!r}; choose one of {sorted(SIZES)}")
     spec = SIZES[size]
     out = Path(out_dir)
-    _progress(f"building {size} Llama (seed {seed}) in {out}")
+    progress(f"building {size} Llama (seed {seed}) in {out}")
     tokenizer = build_tokenizer(spec.vocab_size)
     endoftext, im_start, im_end = (tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS)
     config = LlamaConfig(
@@ -196,9 +196,34 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, size: str = "tiny") -> 
     tokenizer.save_pretrained(out)
     marker = {"builder_version": BUILDER_VERSION, "seed": seed, "size": size}
     (out / MARKER_FILE).write_text(json.dumps(marker, sort_keys=True) + "\n")
+    normalize_modes(out)
     params = sum(p.numel() for p in model.parameters())
-    _progress(f"built {size} model: {params:,} parameters, vocab {spec.vocab_size}")
+    progress(f"built {size} model: {params:,} parameters, vocab {spec.vocab_size}")
     return out
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where the OS allows (other threads may be writing)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def normalize_modes(folder: Path) -> None:
+    """Give every file in `folder` the mode a plain `open()` would have (0666 minus the umask).
+
+    `save_pretrained` writes the weights through a private temporary file (mode 0600) and the
+    tokenizer files with plain `open()`, so without this one file of the model would be
+    unreadable to the other users that can read the rest.
+    """
+    mode = 0o666 & ~current_umask()
+    for child in folder.iterdir():
+        if child.is_file() and not child.is_symlink():
+            os.chmod(child, mode)
 
 
 def cache_root() -> Path:
@@ -251,9 +276,17 @@ def tiny_model_dir(seed: int = 0, size: str = "tiny") -> Path:
     return publish_dir(tmp, final)
 
 
-def _progress(message: str) -> None:
-    logger.info(message)
-    print(f"kvgate: {message}", file=sys.stderr, flush=True)
+def progress(message: str, log: logging.Logger = logger) -> None:
+    """Report one step of a long job (building, downloading, converting) as exactly one line.
+
+    Through `log` when logging is set up (`kvgate serve`: the line gets a time and a level like
+    every other); else on stderr as `kvgate: ...`, so that `kvgate build-tiny-model` and scripts
+    that never configure logging still see it.
+    """
+    if logging.getLogger().hasHandlers():
+        log.info(message)
+    else:
+        print(f"kvgate: {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

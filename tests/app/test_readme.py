@@ -55,3 +55,35 @@ def test_example_runs(server, kvgate_env, title: str, lang: str, code: str) -> N
     assert '"error"' not in result.stdout, result.stdout
     if "stream" in title:
         assert result.stdout.rstrip().endswith("data: [DONE]")
+
+
+_DOCS = ("README.md", "bench/README.md", "docs/CONTRACT.md", "docs/server.md", "docs/serving.md")
+_REPO_PATH = re.compile(r"(?<!> )(?<![\w./])((?:docs|bench|tests|app|engine|cache|tenants)/[\w./-]+\.(?:md|py|json|png|toml))")
+
+
+@pytest.mark.parametrize("name", _DOCS)
+def test_docs_name_only_files_that_exist(name: str) -> None:
+    """Every repository file a document points at exists (output targets after `>` aside)."""
+    text = (ROOT / name).read_text()
+    missing = sorted({path for path in _REPO_PATH.findall(text) if not (ROOT / path).exists()})
+    assert not missing, f"{name} names files that are not in the repository: {missing}"
+    for stale in ("DESIGN.md", "shared/CONTRACT.md"):
+        assert stale not in text, f"{name} points at {stale}, which is not in this repository"
+
+
+def test_readme_has_exactly_two_setup_commands() -> None:
+    """A fresh machine needs one command to serve and one to test, nothing else."""
+    text = (ROOT / "README.md").read_text()
+    setup = text.split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    commands = [code for lang, _, code in _BLOCK.findall(setup) if lang == "bash"]
+    assert len(commands) == 2 and all(code.strip().startswith("python3 -m venv .venv") for code in commands)
+    assert "kvgate serve" in commands[0] and "pytest" in commands[1]
+
+
+def test_contract_lists_planned_features_in_one_place() -> None:
+    text = (ROOT / "docs/CONTRACT.md").read_text()
+    planned = text.split("## Planned", 1)
+    assert len(planned) == 2
+    for feature in ("/metrics", "/admin/archetype", "/admin/trace", "kvgate trace", "Docker"):
+        assert feature not in planned[0].replace("/admin/metrics", ""), f"{feature} is promised outside Planned"
+        assert feature in planned[1]
