@@ -7,7 +7,9 @@ Three measurements, each on a fresh `kvgate serve` (tiny model by default, two t
 2. fairness: tenant B's time to first token (streaming, 4 tokens) unloaded, then while tenant A
    floods with n=16 requests from several clients; the ratio of the medians;
 3. event loop: `/health` latency (p50/p99/max over a fixed number of polls) while two clients
-   send item 5's load (128 prompts of 4,000 characters; a chat of 100,000 messages) in a loop.
+   send, in a loop, item 5's load as reported (1,000 prompts of 4,000 characters; a chat of
+   130,000 messages), the worst body under the default limit (100,000 tiny JSON objects), and
+   prompts that run (four of 4,000 characters each per request).
 
     .venv/bin/python -m bench.hostile_bench --json-out docs/bench_hostile.json \\
         --plot-out docs/bench_hostile.png
@@ -139,13 +141,13 @@ def _ttft(client: httpx.Client, model: str, i: int) -> float:
     started = time.perf_counter()
     with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200, response.read()
+        first = None
         for line in response.iter_lines():
-            if line.startswith("data: {") and '"text":' in line:
+            if first is None and line.startswith("data: {") and '"text":' in line:
                 first = time.perf_counter() - started
-                for _ in response.iter_lines():
-                    pass
-                return first
-    raise RuntimeError("stream ended without a token")
+    if first is None:
+        raise RuntimeError("stream ended without a token")
+    return first
 
 
 def fairness(server: Server, model: str, args: argparse.Namespace) -> dict[str, float]:
@@ -175,18 +177,30 @@ def fairness(server: Server, model: str, args: argparse.Namespace) -> dict[str, 
             "a_requests_ok": float(flood_statuses.count(200)), "a_requests": float(len(flood_statuses))}
 
 
-def health_under_load(server: Server, model: str, polls: int) -> dict[str, float]:
-    texts = ["lorem ipsum dolor sit amet " * 148] * 128
-    chat = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": ""}] * 100_000}
+HEALTH_LOADS = {
+    # item 5 as reported: 1,000 prompts of 4,000 characters (refused by fan-out), a chat of
+    # 130,000 messages (over max_body_bytes: 413)
+    "item5": [("/v1/completions", {"prompt": ["lorem ipsum dolor sit amet " * 148] * 1000, "max_tokens": 1}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 130_000, "max_tokens": 1})],
+    # the worst body under the default 4 MiB limit: 100,000 tiny JSON objects (parsed, then 400)
+    "tiny-objects": [("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 100_000,
+                                               "max_tokens": 1})],
+    # work that runs: four 4,000-character prompts (~2,500 tokens each) prefilled per request
+    "prefill": [("/v1/completions", {"prompt": ["lorem ipsum dolor sit amet " * 148] * 4, "max_tokens": 1})],
+}
+
+
+def health_under_load(server: Server, model: str, polls: int, load_name: str) -> dict[str, float]:
+    bodies = [(path, json.dumps({"model": model, **body}).encode()) for path, body in HEALTH_LOADS[load_name]]
     stop_load = threading.Event()
-    sent = [0]
+    statuses: list[int] = []
 
     def load() -> None:
-        with httpx.Client(base_url=server.url, timeout=300, headers=_headers("a")) as client:
+        headers = {**_headers("a"), "Content-Type": "application/json"}
+        with httpx.Client(base_url=server.url, timeout=300, headers=headers) as client:
             while not stop_load.is_set():
-                client.post("/v1/completions", json={"model": model, "prompt": texts, "max_tokens": 1})
-                client.post("/v1/chat/completions", json=chat)
-                sent[0] += 2
+                for path, body in bodies:
+                    statuses.append(client.post(path, content=body).status_code)
 
     workers = [threading.Thread(target=load) for _ in range(2)]
     for worker in workers:
@@ -203,9 +217,11 @@ def health_under_load(server: Server, model: str, polls: int) -> dict[str, float
     for worker in workers:
         worker.join()
     latencies.sort()
-    return {"health_p50_ms": latencies[len(latencies) // 2] * 1000,
-            "health_p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000,
-            "health_max_ms": latencies[-1] * 1000, "load_requests": float(sent[0])}
+    key = f"health_{load_name}"
+    return {f"{key}_p50_ms": latencies[len(latencies) // 2] * 1000,
+            f"{key}_p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000,
+            f"{key}_max_ms": latencies[-1] * 1000, f"{key}_requests": float(len(statuses)),
+            f"{key}_statuses": ",".join(sorted({str(s) for s in statuses}))}
 
 
 def plot(figures: dict[str, float], path: Path) -> None:
@@ -222,9 +238,15 @@ def plot(figures: dict[str, float], path: Path) -> None:
     axes[1].bar(["B alone", "B while A floods"], [figures["b_ttft_alone_ms"], figures["b_ttft_flooded_ms"]],
                 color=["tab:blue", "tab:red"])
     axes[1].set_title(f"tenant B TTFT ms (×{figures['b_ttft_ratio']:.2f})")
-    axes[2].bar(["p50", "p99", "max"], [figures["health_p50_ms"], figures["health_p99_ms"], figures["health_max_ms"]])
+    names = list(HEALTH_LOADS)
+    width = 0.25
+    for j, stat in enumerate(("p50", "p99", "max")):
+        axes[2].bar([i + (j - 1) * width for i in range(len(names))],
+                    [figures[f"health_{n}_{stat}_ms"] for n in names], width, label=stat)
+    axes[2].set_xticks(range(len(names)), names)
     axes[2].axhline(50, color="grey", linestyle="--")
-    axes[2].set_title("/health ms under item 5's load")
+    axes[2].legend()
+    axes[2].set_title("/health ms under load")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -235,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvgate-hostile-") as tmp:
         for name, step in (("huge prompts", lambda s: huge_prompts(s, args.model)),
                            ("tenant fairness", lambda s: fairness(s, args.model, args)),
-                           ("/health under load", lambda s: health_under_load(s, args.model, args.health_polls))):
+                           *((f"/health under {name}", lambda s, name=name: health_under_load(
+                               s, args.model, args.health_polls, name)) for name in HEALTH_LOADS)):
             folder = Path(tmp) / name.replace(" ", "_").replace("/", "")
             folder.mkdir()
             say(f"{name}: starting a server")

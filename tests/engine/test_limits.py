@@ -36,3 +36,11 @@ def test_cache_salt_must_be_valid_unicode() -> None:
         LIMITS.validate(_request(cache_salt="\ud800"))
     assert info.value.param == "cache_salt"
     LIMITS.validate(_request(cache_salt="ok ✓"))
+
+
+@pytest.mark.parametrize("bad", [-1, 100, 2.0, "7", 2**70])
+def test_prompt_ids_must_be_integers_in_the_vocabulary(bad: object) -> None:
+    request = GenerateRequest(request_id="r", prompt_token_ids=[1, 2, bad], params=SamplingParams())  # type: ignore[list-item]
+    with pytest.raises(InvalidRequestError) as info:
+        LIMITS.validate(request)
+    assert info.value.param == "prompt" and repr(bad) in info.value.message
