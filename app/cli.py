@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve", help="run the OpenAI-compatible HTTP server",
         description="Serve /v1/models, /v1/completions and /v1/chat/completions (plus /health, "
-                    "/ready, /admin/metrics, /admin/tiers). With nothing configured it serves "
+                    "/ready, /admin/metrics, /admin/tiers, /admin/archetype). With nothing configured it serves "
                     "SmolLM2-135M-Instruct on 127.0.0.1:8000 without auth.",
         epilog=_SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("--config", metavar="FILE", help="TOML configuration file (default: $KVGATE_CONFIG)")

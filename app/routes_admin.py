@@ -72,6 +72,16 @@ async def change_tier(body: TierChange, engine: Engine) -> dict[str, Any]:
     return {"tiers": await engine.configure_tier(body.action, body.tier, options)}
 
 
+@router.get("/admin/archetype", dependencies=[AdminAccess])
+async def archetype(engine: Engine) -> dict[str, Any]:
+    """Which KV-cache archetype the hierarchy is right now (Local-Paged, Shared-Store, Hybrid-Tier,
+    ...), its four axes and each tier's part, computed from the live tiers (see docs/archetype.md).
+
+    It changes when a tier is attached or detached, or when the remote store goes down.
+    """
+    return (await engine.stats()).get("archetype", {})
+
+
 @router.get("/admin/metrics", dependencies=[AdminAccess])
 async def metrics(request: Request) -> dict[str, Any]:
     """The engine's stats (blocks, queue, prefix cache) at the top level, plus request counters."""

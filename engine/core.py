@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from cache.archetype import classify, describe
 from cache.hashing import root_hash
 from cache.kv_storage import KVStorage
 from cache.manager import KVCacheManager
@@ -392,11 +393,22 @@ class EngineCore:
         return SeqOutput(seq.request_id, seq.index, token_id, logprob, reason, max(seq.num_cached_tokens, 0))
 
     # ---- accounting -------------------------------------------------------------------------
+    def archetype(self, tiers: dict[str, Any]) -> dict[str, Any]:
+        """The KV-cache archetype of the hierarchy as it runs now (see cache.archetype)."""
+        remote = self.chain.remote if self.chain is not None else None
+        view = describe(self.storage.device.type, self.config.enable_prefix_caching, tiers,
+                        remote_cluster=bool(remote is not None and remote.cluster),
+                        capacity_bytes={"device": self.storage.nbytes, **{
+                            name: tiers[name]["capacity_blocks"] * self.storage.block_nbytes
+                            for name in ("host", "disk") if "capacity_blocks" in tiers.get(name, {})}})
+        return classify(view).to_dict()
+
     def stats(self) -> dict[str, object]:
         """A snapshot of queue, pool and cache state plus the counters, as plain values."""
         pool = self.manager.pool
         pc = self.manager.stats
         c = self.counters
+        tiers = self.chain.snapshot() if self.chain is not None else {}
         return {
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
@@ -432,7 +444,8 @@ class EngineCore:
             "num_loading": len(self._loading),
             "promoted_blocks": pc.promoted_blocks,
             "prefill_tokens_per_s": self._prefill_tps,
-            "tiers": self.chain.snapshot() if self.chain is not None else {},
+            "tiers": tiers,
+            "archetype": self.archetype(tiers),
             "engine_pid": os.getpid(),
             "engine_threads": {"owner": self.owner_thread, "step": self.step_thread},
         }

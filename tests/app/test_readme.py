@@ -84,6 +84,6 @@ def test_contract_lists_planned_features_in_one_place() -> None:
     text = (ROOT / "docs/CONTRACT.md").read_text()
     planned = text.split("## Planned", 1)
     assert len(planned) == 2
-    for feature in ("/metrics", "/admin/archetype", "/admin/trace", "kvgate trace", "Docker"):
+    for feature in ("/metrics", "/admin/trace", "kvgate trace", "Docker"):
         assert feature not in planned[0].replace("/admin/metrics", ""), f"{feature} is promised outside Planned"
         assert feature in planned[1]

@@ -114,3 +114,35 @@ def test_tiers_attach_and_detach_on_a_running_server(start_server, tmp_path) -> 
     bad = httpx.post(url + "/admin/tiers", json={"action": "attach", "tier": "disk", "bogus": 1}, timeout=30)
     assert bad.status_code == 400
     assert httpx.post(url + "/admin/tiers", json={"action": "attach", "tier": "host"}, timeout=30).status_code == 200
+
+
+def test_archetype_follows_the_tiers_of_a_running_server(start_server, tmp_path, redis_url) -> None:
+    """Hybrid-Tier with host below the device; Local-Paged once it is detached; Shared-Store with
+    only Redis below; Hybrid-Tier (shared ownership) with host and Redis."""
+    server = start_server("--model", "tiny", "--disk-cache", "off", config=SMALL_POOL)
+    url = server.url
+
+    def archetype() -> dict:
+        response = httpx.get(url + "/admin/archetype", timeout=30)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def change(action: str, tier: str, **options: object) -> None:
+        response = httpx.post(url + "/admin/tiers", json={"action": action, "tier": tier, **options}, timeout=30)
+        assert response.status_code == 200, response.text
+
+    first = archetype()
+    assert first["name"] == "Hybrid-Tier" and first["axes"]["locality"] == ["device", "host"]
+    assert first["axes"]["ownership"] == "engine-owned" and first["tiers"]["host"]["active"]
+    assert httpx.get(url + "/admin/metrics", timeout=30).json()["archetype"]["name"] == "Hybrid-Tier"
+    change("detach", "host")
+    local = archetype()
+    assert local["name"] == "Local-Paged" and local["axes"]["locality"] == ["device"]
+    change("attach", "remote", url=redis_url)
+    shared = archetype()
+    assert shared["name"] == "Shared-Store" and shared["axes"]["lifetime"]["longest"] == "persistent"
+    assert shared["axes"]["ownership"] == "shared by replicas through the remote store"
+    change("attach", "host")
+    both = archetype()
+    assert both["name"] == "Hybrid-Tier" and both["axes"]["locality"] == ["device", "host", "remote"]
+    change("detach", "remote")
