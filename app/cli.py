@@ -1,4 +1,4 @@
-"""The `kvgate` command: `serve` and `build-tiny-model`.
+"""The `kvgate` command: `serve`, `build-tiny-model` and `trace export|replay` (`app.trace_cli`).
 
 Heavy imports (torch, transformers, the app) happen inside the subcommands, and `serve` checks
 what can fail fast (the configuration, the listening address, whether the model exists) before
@@ -33,7 +33,8 @@ configuration:
   max_body_bytes/shutdown_timeout_s/max_fanout (most engine sequences one request may start,
   prompts x n; default 128)/docs (public|auth|off: /docs and /openapi.json; default public,
   auth once tenants exist), [engine] device/max_num_seqs/max_num_batched_tokens/
-  num_threads/enable_prefix_caching/pack_weights, [cache] block_size/eviction (lru|s3fifo),
+  num_threads/enable_prefix_caching/pack_weights/metrics (TTFT parts and block lives in
+  /admin/metrics; default true), [cache] block_size/eviction (lru|s3fifo),
   [cache.device] num_blocks, [cache.host] capacity_mb (0 = off), [cache.disk] path/capacity_mb
   (0 = off), [cache.remote] url/cluster/ttl_s/write (through|back; section absent = off),
   [admin] api_key, [[tenants]] name/api_keys/share_group/quota. Unknown keys are errors.
@@ -108,7 +109,83 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--size", choices=["tiny", "small"], default="tiny",
                       help="tiny: ~1 MB, for tests; small: ~110 MB (default: tiny)")
     tiny.set_defaults(func=_build_tiny_model)
+    _add_trace_parser(commands)
     return parser
+
+
+_TRACE_EPILOG = """\
+format: one JSON object per line, the layout of Mooncake's public traces:
+  {"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, 2, ...]}
+  timestamp: ms from the first request; hash_ids: one per block of block_tokens prompt tokens (the
+  last one partial); equal ids at a position mean the same prompt up to the end of that block.
+  No token, text, tenant, key or salt is in a trace (docs/traces.md).
+
+examples:
+  kvgate trace export --url http://127.0.0.1:8000 --out trace.jsonl
+  kvgate trace export --url http://127.0.0.1:8000 --out trace.jsonl --block-tokens 16
+  kvgate trace replay trace.jsonl --url http://127.0.0.1:8001 --block-tokens 16
+  kvgate trace replay mooncake_trace.jsonl --url http://127.0.0.1:8000 --speed 10 --max-requests 500
+"""
+
+
+def _add_trace_parser(commands: Any) -> None:
+    trace = commands.add_parser(
+        "trace", help="export a server's request trace, or replay a trace against a server",
+        description="Request traces in the Mooncake layout (AIPerf, guidellm and Dynamo's data "
+                    "generator read them): export KVGate's from GET /admin/trace, replay KVGate's or "
+                    "public ones.", epilog=_TRACE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = trace.add_subparsers(dest="trace_command", metavar="ACTION")
+    key_help = "bearer key ({}); default $KVGATE_API_KEY, none if unset"
+
+    export = actions.add_parser(
+        "export", help="write the server's recent requests (GET /admin/trace) to a file",
+        description="Write the server's trace ring (its most recent requests, up to 10,000) as "
+                    "Mooncake JSON lines, and print how many and their block size.",
+        epilog=_TRACE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    export.add_argument("--url", required=True, metavar="URL", help="server root, e.g. http://127.0.0.1:8000")
+    export.add_argument("--api-key", metavar="KEY", help=key_help.format("the admin key"))
+    export.add_argument("--out", default="trace.jsonl", metavar="FILE",
+                        help="file to write, '-' for stdout (default: trace.jsonl)")
+    export.add_argument("--limit", type=int, metavar="N", help="only the last N requests (default: all)")
+    export.add_argument("--block-tokens", type=int, default=512, metavar="N",
+                        help="prompt tokens per hash id: 512 (default, Mooncake's) or a multiple of the "
+                             "server's KV block size; the block size itself (16 by default) makes a "
+                             "replay share exactly what the cache shared")
+    export.set_defaults(func=_trace_export)
+
+    replay = actions.add_parser(
+        "replay", help="send a trace's requests to a server; print hit rate and TTFT percentiles",
+        description="Replay a trace (KVGate's export or a public Mooncake file) against an "
+                    "OpenAI-compatible server: each hash id becomes block-tokens synthetic token ids "
+                    "(the same for the same id), so prompts share exactly the traced prefixes. "
+                    "Requests go out at timestamp / speed, streamed; the summary gives requests, "
+                    "failures, hit rate (cached / prompt tokens from the server's usage), TTFT "
+                    "p50/p90/p99 and duration. Prompts longer than the server's context are clipped.",
+        epilog=_TRACE_EPILOG + "\nexit status: 0 when every request succeeded; 1 when the server "
+                               "could not be reached or a request failed; 2 for a bad file or flag.\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    replay.add_argument("file", metavar="FILE", help="JSON-lines trace")
+    replay.add_argument("--url", required=True, metavar="URL", help="server root, e.g. http://127.0.0.1:8000")
+    replay.add_argument("--api-key", metavar="KEY", help=key_help.format("a tenant's key"))
+    replay.add_argument("--speed", type=float, default=1.0, metavar="X",
+                        help="time factor: 2 sends twice as fast as traced, 0 as fast as --concurrency "
+                             "allows (default: 1)")
+    replay.add_argument("--block-tokens", type=int, default=512, metavar="N",
+                        help="prompt tokens per hash id, as the trace was written (default: 512, "
+                             "Mooncake's; kvgate trace export prints it)")
+    replay.add_argument("--max-requests", type=int, metavar="N", help="replay only the first N requests")
+    replay.add_argument("--max-output-tokens", type=int, metavar="N",
+                        help="cap each request's output (default: the traced output_length)")
+    replay.add_argument("--concurrency", type=int, default=64, metavar="N",
+                        help="most requests in flight; 1 replays strictly one after another (default: 64)")
+    replay.add_argument("--model", metavar="NAME", help="model to ask for (default: the server's first)")
+    replay.add_argument("--seed", type=int, default=0, metavar="N",
+                        help="seed of the synthetic token ids (default: 0); another seed replays the "
+                             "trace on a server that already saw it as if its cache were cold")
+    replay.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    replay.set_defaults(func=_trace_replay)
+    trace.set_defaults(func=lambda args: _usage_error("trace needs an action: export or replay "
+                                                      "(kvgate trace --help)"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +204,32 @@ def _build_tiny_model(args: argparse.Namespace) -> int:
     progress_bars_only_on_terminal()
 
     return tiny_main([args.dir, "--seed", str(args.seed), "--size", args.size])
+
+
+def _trace_export(args: argparse.Namespace) -> int:
+    from app.trace_cli import TraceError, export
+
+    try:
+        return export(args.url, args.api_key, args.out, args.limit, args.block_tokens)
+    except TraceError as exc:
+        print(f"kvgate: error: {exc.message}", file=sys.stderr, flush=True)
+        return exc.code
+
+
+def _trace_replay(args: argparse.Namespace) -> int:
+    from app.trace_cli import ReplayOptions, TraceError, replay
+
+    options = ReplayOptions(url=args.url, api_key=args.api_key, speed=args.speed, block_tokens=args.block_tokens,
+                            max_requests=args.max_requests, max_output_tokens=args.max_output_tokens,
+                            concurrency=args.concurrency, model=args.model, seed=args.seed)
+    try:
+        return replay(args.file, options, as_json=args.json)
+    except TraceError as exc:
+        print(f"kvgate: error: {exc.message}", file=sys.stderr, flush=True)
+        return exc.code
+    except KeyboardInterrupt:
+        print("kvgate: replay interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 def _serve(args: argparse.Namespace) -> int:

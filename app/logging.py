@@ -28,11 +28,14 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.telemetry import SECONDS, Histogram
+
 access_logger = logging.getLogger("kvgate.access")
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 QUIET_PATHS = frozenset({"/health", "/ready"})
 UNMATCHED = "unmatched"
+MAX_TENANT_LABELS = 256  # tenants beyond this many share one "other" entry (bounded label cardinality)
 
 
 def configure_logging(level: str = "info") -> None:
@@ -86,8 +89,31 @@ def route_label(scope: Scope) -> str:
 
 
 @dataclass
+class TenantCounters:
+    """One tenant's request figures (tenant "-" = no key: tenants are not configured)."""
+
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: Histogram = field(default_factory=lambda: Histogram(SECONDS))
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"requests": self.requests, "errors": self.errors, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "completion_tokens": self.completion_tokens,
+                "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None,
+                "ttft_s": self.ttft_s.snapshot()}
+
+
+@dataclass
 class RequestCounters:
-    """Totals since start, reported by `/admin/metrics`."""
+    """Totals since start, reported by `/admin/metrics` and `/metrics`.
+
+    Latencies are seen from the client's side of the engine: TTFT from the request's arrival to
+    its first token leaving, TPOT the mean gap between its later tokens, e2e to the last byte.
+    Only generation requests (those that report usage) enter them.
+    """
 
     requests_total: int = 0
     requests_in_flight: int = 0
@@ -97,6 +123,36 @@ class RequestCounters:
     completion_tokens_total: int = 0
     by_status: Counter[int] = field(default_factory=Counter)
     by_path: Counter[str] = field(default_factory=Counter)
+    ttft_s: Histogram = field(default_factory=lambda: Histogram(SECONDS))
+    tpot_s: Histogram = field(default_factory=lambda: Histogram(SECONDS))
+    e2e_s: Histogram = field(default_factory=lambda: Histogram(SECONDS))
+    tenants: dict[str, TenantCounters] = field(default_factory=dict)
+
+    def tenant(self, name: str) -> TenantCounters:
+        counters = self.tenants.get(name)
+        if counters is None:
+            if len(self.tenants) >= MAX_TENANT_LABELS:
+                name = "other"
+            counters = self.tenants.setdefault(name, TenantCounters())
+        return counters
+
+    def record_generation(self, tenant: str, status: int, usage: dict[str, int], ttft_s: float | None,
+                          duration_s: float) -> None:
+        """Add one generation request's figures (called once it ended)."""
+        t = self.tenant(tenant)
+        t.requests += 1
+        t.errors += status >= 400
+        t.prompt_tokens += usage.get("prompt_tokens", 0)
+        t.cached_tokens += usage.get("cached_tokens", 0)
+        t.completion_tokens += usage.get("completion_tokens", 0)
+        if status >= 400 or ttft_s is None:
+            return
+        self.ttft_s.observe(ttft_s)
+        t.ttft_s.observe(ttft_s)
+        self.e2e_s.observe(duration_s)
+        tokens = usage.get("completion_tokens", 0)
+        if tokens > 1:
+            self.tpot_s.observe(max(0.0, duration_s - ttft_s) / (tokens - 1))
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -108,6 +164,10 @@ class RequestCounters:
             "completion_tokens_total": self.completion_tokens_total,
             "by_status": {str(k): v for k, v in sorted(self.by_status.items())},
             "by_path": dict(sorted(self.by_path.items())),
+            "ttft_s": self.ttft_s.snapshot(),
+            "tpot_s": self.tpot_s.snapshot(),
+            "e2e_s": self.e2e_s.snapshot(),
+            "tenants": {name: t.snapshot() for name, t in sorted(self.tenants.items())},
         }
 
 
@@ -169,6 +229,9 @@ class AccessLogMiddleware:
         counters.cached_tokens_total += usage.get("cached_tokens", 0)
         counters.completion_tokens_total += usage.get("completion_tokens", 0)
         ttft = state.get("ttft_s")
+        duration = time.perf_counter() - started
+        if "usage" in state or ttft is not None:
+            counters.record_generation(state.get("tenant", "-"), status, usage, ttft, duration)
         fields = {
             "request_id": state.get("request_id"),
             "completion_id": state.get("completion_id"),
@@ -180,7 +243,7 @@ class AccessLogMiddleware:
             "completion_tokens": usage.get("completion_tokens"),
             "cached_tokens": usage.get("cached_tokens"),
             "ttft_ms": None if ttft is None else round(ttft * 1000, 1),
-            "duration_ms": round((time.perf_counter() - started) * 1000, 1),
+            "duration_ms": round(duration * 1000, 1),
         }
         level = logging.DEBUG if scope["path"] in QUIET_PATHS else logging.INFO
         if access_logger.isEnabledFor(level):

@@ -88,6 +88,7 @@ class _GenerationRequest(RequestModel):
     repetition_penalty: float | None = None
     cache_salt: str | None = None
     ignore_eos: bool | None = None
+    min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     # accepted only in their neutral form
     logit_bias: dict[str, float] | None = None
@@ -124,6 +125,7 @@ class _GenerationRequest(RequestModel):
             "min_p": self.min_p, "seed": self.seed, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
             "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
             "stop_token_ids": self.stop_token_ids,
         }

@@ -1,8 +1,7 @@
-"""Operational endpoints: `/health`, `/ready`, and `GET /admin/metrics` (admin key once configured).
-
-The full admin API (archetype, traces, dashboard, Prometheus) is planned (docs/CONTRACT.md,
-"Planned"); this file serves what operators and tests need now: liveness, readiness, the
-engine's block accounting, and attaching or detaching cache tiers at run time (`/admin/tiers`).
+"""Operational endpoints: `/health`, `/ready`, and the admin API (admin key once configured):
+`/admin/metrics` (JSON; `/metrics` renders the same snapshot for Prometheus), `/admin/archetype`,
+and attaching or detaching cache tiers at run time (`/admin/tiers`). The dashboard (`/admin`)
+and traces (`/admin/trace`) have routers of their own.
 """
 
 from __future__ import annotations
@@ -84,10 +83,22 @@ async def archetype(engine: Engine) -> dict[str, Any]:
 
 @router.get("/admin/metrics", dependencies=[AdminAccess])
 async def metrics(request: Request) -> dict[str, Any]:
-    """The engine's stats (blocks, queue, prefix cache) at the top level, plus request counters."""
+    """The engine's stats (blocks, queue, prefix cache, tiers, archetype, the seven gap metrics
+    under `gaps`, TTFT parts under `timing`) plus the HTTP side's request figures under
+    `requests` (docs/metrics.md says what each one means)."""
+    return await metrics_snapshot(request)
+
+
+async def metrics_snapshot(request: Request) -> dict[str, Any]:
+    """One snapshot for `/admin/metrics` and `/metrics`: one round trip to the engine."""
     state = request.app.state
-    stats: dict[str, Any] = await state.engine.stats() if state.engine is not None else {}
-    stats["model"] = state.engine.model_name if state.engine is not None else None
-    stats["ready"] = bool(state.engine is not None and state.engine.ready and not state.draining)
+    engine = state.engine
+    stats: dict[str, Any] = await engine.stats() if engine is not None else {}
+    stats["model"] = engine.model_name if engine is not None else None
+    stats["ready"] = bool(engine is not None and engine.ready and not state.draining)
     stats["requests"] = state.counters.snapshot()
+    trace = getattr(state, "trace", None)
+    if "gaps" in stats:
+        stats["gaps"]["traces"] = {"recorded": len(trace) if trace is not None else 0,
+                                   "capacity": getattr(trace, "capacity", None), "export": "/admin/trace"}
     return stats

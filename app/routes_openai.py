@@ -31,6 +31,7 @@ from app.protocol import (
     ModelList,
 )
 from app.streaming import Job, chat_stream, completion_stream
+from app.trace import trace_recorder
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.outputs import GenerateRequest
@@ -131,7 +132,10 @@ def _builder(request: Request, engine: AsyncEngine) -> PromptBuilder:
 
 def _submit(request: Request, engine: AsyncEngine, job_id: str, prompts: list[list[int]],
             params: list[SamplingParams], tenant: Tenant, cache_salt: str | None, prompt_param: str) -> Job:
-    """Add one engine request per prompt; if any is refused, abort those already added."""
+    """Add one engine request per prompt; if any is refused, abort those already added.
+
+    When the job's outputs end, each prompt the engine ran goes into the request trace (`app.trace`).
+    """
     request_ids = [job_id] if len(prompts) == 1 else [f"{job_id}-{i}" for i in range(len(prompts))]
     try:
         streams = engine.add_requests([
@@ -144,7 +148,8 @@ def _submit(request: Request, engine: AsyncEngine, job_id: str, prompts: list[li
         raise
     return Job(id=job_id, model=engine.model_name, fingerprint=request.app.state.fingerprint,
                engine=engine, tokenizer=engine.tokenizer, request_ids=request_ids, streams=streams,
-               n=params[0].n, state=request.state)
+               n=params[0].n, state=request.state,
+               on_done=trace_recorder(request, prompts, tenant.salt, cache_salt))
 
 
 async def _collect(job: Job) -> tuple[list[list[str]], list[Any], list[Any]]:

@@ -68,6 +68,7 @@ class EngineSettings(_Section):
     num_threads: int | None = Field(default=None, gt=0)
     enable_prefix_caching: bool = True
     pack_weights: bool = True
+    metrics: bool = True  # the detailed engine metrics (TTFT parts, block lives); off only to measure their cost
 
 
 class DeviceCacheSettings(_Section):
@@ -151,6 +152,7 @@ class Settings(_Section):
                 enable_prefix_caching=self.engine.enable_prefix_caching,
                 num_threads=self.engine.num_threads,
                 pack_weights=self.engine.pack_weights,
+                metrics=self.engine.metrics,
                 host_cache_mb=self.cache.host.capacity_mb,
                 disk_cache_path=self.cache.disk.resolved_path() if self.cache.disk.capacity_mb > 0 else None,
                 disk_cache_mb=max(1, self.cache.disk.capacity_mb),

@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,11 +64,14 @@ class Job:
     cached_tokens: list[int] = field(default_factory=list)
     completion_tokens: int = 0
     text_offsets: dict[int, int] = field(default_factory=dict)
+    on_done: Callable[[Job], None] | None = None  # called once the outputs end (the request trace)
+    choice_tokens: list[int] = field(default_factory=list)
     _finished: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         count = len(self.streams)
         self.prompt_tokens, self.cached_tokens, self._finished = [0] * count, [0] * count, [False] * count
+        self.choice_tokens = [0] * self.num_choices
         self.state.completion_id = self.id
 
     @property
@@ -79,6 +82,10 @@ class Job:
         for request_id, finished in zip(self.request_ids, self._finished, strict=True):
             if not finished:
                 self.engine.abort(request_id)
+
+    def output_tokens(self, index: int) -> int:
+        """Tokens generated for prompt `index`: its longest choice."""
+        return max(self.choice_tokens[index * self.n:(index + 1) * self.n])
 
     def usage(self) -> UsageInfo:
         prompt = sum(self.prompt_tokens)
@@ -97,6 +104,11 @@ class Job:
             self.state.usage = {"prompt_tokens": sum(self.prompt_tokens),
                                 "cached_tokens": sum(self.cached_tokens),
                                 "completion_tokens": self.completion_tokens}
+            if self.on_done is not None:
+                try:
+                    self.on_done(self)
+                except Exception:
+                    logger.exception("on_done failed completion_id=%s", self.id)
 
     def _account(self, index: int, out: RequestOutput) -> None:
         self.prompt_tokens[index] = out.metrics.prompt_tokens
@@ -105,6 +117,8 @@ class Job:
         if new_tokens and self.completion_tokens == 0 and getattr(self.state, "arrival", None):
             self.state.ttft_s = time.perf_counter() - self.state.arrival
         self.completion_tokens += new_tokens
+        for delta in out.outputs:
+            self.choice_tokens[index * self.n + delta.index] += len(delta.token_ids)
         if out.finished:
             self._finished[index] = True
         for delta in out.outputs:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cache.hashing import BlockHash
+from cache.telemetry import BlockLife
 
 
 @dataclass(slots=True)
@@ -36,13 +37,12 @@ class BlockPoolStats:
     allocations: int = 0
     evictions: int = 0
     cache_hits: int = 0
-    lifetimes_s: list[float] = field(default_factory=list)
 
 
 class BlockPool:
     """Owns every block, the free queue in LRU order and the hash → block map."""
 
-    def __init__(self, num_blocks: int, max_lifetime_samples: int = 4096) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -50,7 +50,7 @@ class BlockPool:
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}
         self.stats = BlockPoolStats()
-        self._max_lifetime_samples = max_lifetime_samples
+        self.life = BlockLife()  # reuse distance and lifetime of cached blocks (gap metric 4)
         # Called with (block, hash) just before a cached block's KV is given up for reuse, while
         # the block still holds it: the tier chain copies it down (demotion).
         self.on_evict: Callable[[Block, BlockHash], None] | None = None
@@ -91,6 +91,8 @@ class BlockPool:
             block.ref_cnt += 1
             block.hits += 1
             self.stats.cache_hits += 1
+            if block.block_hash is not None:
+                self.life.accessed(block.block_hash)
 
     def hold(self, block: Block) -> None:
         """Take a reference without counting a cache hit (pins a block while a prefix is assembled)."""
@@ -119,6 +121,7 @@ class BlockPool:
         block.cached_at = time.monotonic()
         block.hits = 0
         self._cached[block_hash] = block
+        self.life.inserted(block_hash)
         return True
 
     def _evict(self, block: Block, demote: bool = True) -> None:
@@ -127,10 +130,9 @@ class BlockPool:
         if demote and self.on_evict is not None:
             self.on_evict(block, block.block_hash)
         del self._cached[block.block_hash]
+        self.life.removed(block.block_hash)
         block.block_hash = None
         self.stats.evictions += 1
-        if len(self.stats.lifetimes_s) < self._max_lifetime_samples:
-            self.stats.lifetimes_s.append(time.monotonic() - block.cached_at)
 
     def evict_all_cached(self) -> int:
         """Forget every idle cached block's hash (e.g. after weights change); returns how many."""

@@ -34,6 +34,7 @@ from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingRow, make_generator
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.telemetry import EngineTelemetry, RequestTiming
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class EngineCore:
         if config.pack_weights:
             pack_model(self.loaded.model, self.loaded.device, self.loaded.dtype)
         self.manager = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.manager.pool.life.enabled = config.metrics
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.block_format = BlockFormat(self.fingerprint, str(self.storage.dtype).removeprefix("torch."),
                                         self.storage.block_shape)
@@ -108,6 +110,8 @@ class EngineCore:
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.counters = EngineCounters()
+        self.telemetry = EngineTelemetry()
+        self._timing: dict[str, RequestTiming] = {}  # requests before their first token
         # Every torch op of the engine runs on the thread that loaded the model (one OpenMP
         # pool per process); step() asserts it and stats() reports both for tests.
         self.owner_thread = threading.get_ident()
@@ -124,8 +128,8 @@ class EngineCore:
         remote = self._make_tier("remote", {}) if config.remote_cache_url else None
         if host is None and disk is None and remote is None:
             return None
-        logger.info("cache tiers host_mb=%d disk=%s remote=%s", config.host_cache_mb, disk.dir if disk else None,
-                    remote.safe_url() if remote else None)
+        logger.info("cache tiers host_mb=%d disk=%s remote=%s", config.host_cache_mb, disk.dir if disk is not None else None,
+                    remote.safe_url() if remote is not None else None)
         return TierChain(host, disk, remote=remote, remote_write=config.remote_write)
 
     def _use_chain(self, chain: TierChain) -> None:
@@ -139,6 +143,11 @@ class EngineCore:
 
     def _make_tier(self, name: str, options: dict[str, Any]) -> Any:
         """Build a tier from the engine config, ``options`` overriding it; ValueError if invalid."""
+        tier = self._new_tier(name, options)
+        tier.life.enabled = self.config.metrics
+        return tier
+
+    def _new_tier(self, name: str, options: dict[str, Any]) -> Any:
         config = self.config
         unknown = set(options) - self._TIER_OPTIONS[name]
         if unknown:
@@ -198,7 +207,13 @@ class EngineCore:
         self.chain.demote(block_hash, self.storage.block_view(block.block_id))
 
     def _promote(self, seq: Sequence) -> int:
-        return self.manager.promote(seq.block_hashes, seq.num_tokens, self._load_block)
+        t0 = time.perf_counter()
+        loaded = self.manager.promote(seq.block_hashes, seq.num_tokens, self._load_block)
+        timing = self._timing.get(seq.request_id) if seq.index == 0 else None
+        if loaded and timing is not None:
+            timing.load_s += time.perf_counter() - t0
+            timing.lower_tier = True
+        return loaded
 
     def _load_block(self, block_hash: bytes, block_id: int) -> bool:
         assert self.chain is not None
@@ -233,13 +248,28 @@ class EngineCore:
         if self.chain is None or not self._loading:
             return 0
         admitted = 0
+        now = time.perf_counter()
         for token in self.chain.poll():
+            self._loaded(str(token), now)
             seqs = self._loading.pop(str(token), None)
             for seq in seqs or ():
                 seq.status = SequenceStatus.WAITING
                 self.scheduler.add(seq)
             admitted += bool(seqs)
         return admitted
+
+    def _loaded(self, request_id: str, now: float) -> None:
+        """Book a finished prefetch: its wait is tier load, its remote existence check metadata."""
+        assert self.chain is not None
+        times = self.chain.finished_jobs.pop(request_id, None)
+        timing = self._timing.get(request_id)
+        if timing is None or timing.load_started is None:
+            return
+        exists_s = times.exists_s if times is not None else 0.0
+        timing.load_s += max(0.0, now - timing.load_started - exists_s)
+        timing.metadata_s += exists_s
+        timing.load_started = None
+        timing.lower_tier |= times is not None and times.blocks > 0
 
     def is_loading(self) -> bool:
         return bool(self._loading)
@@ -269,6 +299,7 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
         params = request.params
         t0 = time.perf_counter()
+        timing = RequestTiming(added=t0)
         root = root_hash(request.namespace_salt, self.fingerprint, request.cache_salt)
         seqs = []
         for i in range(params.n):
@@ -277,10 +308,21 @@ class EngineCore:
                 token_ids=list(request.prompt_token_ids), params=params, root_hash=root,
                 block_size=self.block_size, generator=make_generator(params.seed, i), tenant=request.tenant)
             seqs.append(seq)
-        self.counters.hash_time_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.counters.hash_time_s += t1 - t0
+        stop_ids: tuple[int, ...] = ()
+        if params.min_tokens:
+            stop_ids = tuple({*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids)})
         for seq in seqs:
-            self._rows[seq.seq_id] = SamplingRow(params, seq.generator, seq.prompt_token_ids, seq.output_token_ids)
-        if self._start_prefetch(request.request_id, seqs[0]):
+            self._rows[seq.seq_id] = SamplingRow(params, seq.generator, seq.prompt_token_ids, seq.output_token_ids,
+                                                 stop_ids)
+        if self.config.metrics:
+            self._timing[request.request_id] = timing
+        loading = self._start_prefetch(request.request_id, seqs[0])
+        t2 = time.perf_counter()
+        timing.metadata_s = t2 - t0  # hashing, and the disk index walk of the prefetch plan
+        if loading:
+            timing.load_started = t2
             for seq in seqs:
                 seq.status = SequenceStatus.LOADING
             self._loading[request.request_id] = seqs
@@ -297,6 +339,7 @@ class EngineCore:
         seqs = self._requests.pop(request_id, None)
         if seqs is None:
             return False
+        self._timing.pop(request_id, None)
         if self._loading.pop(request_id, None) is not None and self.chain is not None:
             self.chain.cancel(request_id)
         for seq in seqs:
@@ -321,6 +364,7 @@ class EngineCore:
         seqs = self._requests.get(request_id)
         if seqs is not None and all(s.is_finished for s in seqs):
             del self._requests[request_id]
+            self._timing.pop(request_id, None)
             self.counters.requests_finished += 1
 
     def request_ids(self) -> list[str]:
@@ -341,9 +385,12 @@ class EngineCore:
         t_step = time.perf_counter()
         self.step_thread = threading.get_ident()
         assert self.step_thread == self.owner_thread, "EngineCore.step() must run on the thread that built it"
+        lookups_before = self.manager.stats.lookup_time_s
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
+        if self._timing:
+            self._book_admissions(plan.scheduled, t_step, self.manager.stats.lookup_time_s - lookups_before)
         work = sorted(plan.scheduled, key=lambda s: s.num_new != 1)
         token_ids = [s.seq.token_ids[s.start : s.start + s.num_new] for s in work]
         tables = [self.manager.block_ids(s.seq.seq_id) for s in work]
@@ -359,19 +406,33 @@ class EngineCore:
         for s in work:
             s.seq.num_computed_tokens += s.num_new
             self.counters.computed_tokens += s.num_new
+            if s.seq.index == 0 and not s.seq.output_token_ids and s.seq.request_id in self._timing:
+                self._timing[s.seq.request_id].prefill_s += t_sample - t_fwd
         if self.chain is not None and self.chain.writes_through:
             self._write_through(work)
         outputs: list[SeqOutput] = []
         if sample_rows:
             sampled = [work[i] for i in sample_rows]
             result = self.sampler(logits, [self._rows[s.seq.seq_id] for s in sampled])
+            t_sampled = time.perf_counter()
             for j, s in enumerate(sampled):
                 lp = result.logprobs[j] if result.logprobs is not None else None
+                timing = self._timing.pop(s.seq.request_id, None) if s.seq.index == 0 else None
+                if timing is not None:
+                    self.telemetry.first_token(timing, t_sampled, t_sampled - t_sample)
                 outputs.append(self._append(s, result.token_ids[j], lp))
         self.counters.sample_time_s += time.perf_counter() - t_sample
         self.counters.steps += 1
         self.counters.step_time_s += time.perf_counter() - t_step
         return outputs
+
+    def _book_admissions(self, scheduled: list[ScheduledSeq], t_step: float, lookup_s: float) -> None:
+        """Requests scheduled for the first time: note when, and share the step's index lookups."""
+        fresh = [t for s in scheduled if s.seq.index == 0
+                 and (t := self._timing.get(s.seq.request_id)) is not None and t.first_scheduled is None]
+        for timing in fresh:
+            timing.first_scheduled = t_step
+            timing.metadata_s += lookup_s / len(fresh)
 
     def _append(self, s: ScheduledSeq, token_id: int, logprob: TokenLogprob | None) -> SeqOutput:
         seq = s.seq
@@ -383,7 +444,9 @@ class EngineCore:
         self.counters.generated_tokens += 1
         params = seq.params
         reason = None
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+        # below min_tokens the sampler masked the stop tokens: only the length can end the choice
+        if len(seq.output_token_ids) > params.min_tokens and (
+                token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids)):
             reason = "stop"
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
@@ -402,6 +465,33 @@ class EngineCore:
                             name: tiers[name]["capacity_blocks"] * self.storage.block_nbytes
                             for name in ("host", "disk") if "capacity_blocks" in tiers.get(name, {})}})
         return classify(view).to_dict()
+
+    def gaps(self) -> dict[str, Any]:
+        """The survey's unmeasured quantities, live (docs/metrics.md says what each one means);
+        the seventh, public traces, is recorded by the API process and added there."""
+        chain = self.chain.telemetry() if self.chain is not None else {}
+        tel = self.telemetry
+        pc = self.manager.stats
+        remote = self.chain.remote if self.chain is not None else None
+        meta_bytes = sum(chain.get("metadata_bytes", {}).values())
+        data_bytes = sum(chain.get("data_bytes", {}).values())
+        return {
+            "remote_access": chain.get("remote_access", {"attached": False}),
+            "metadata": {
+                "per_request_s": tel.metadata_s.snapshot(), "share_of_ttft": tel.metadata_share.snapshot(),
+                "hash_time_s": self.counters.hash_time_s, "lookup_time_s": pc.lookup_time_s,
+                "lookups": pc.lookups, "remote_exists_time_s": remote.exists_time_s if remote is not None else 0.0,
+                "remote_exists_checks": remote.exists_checks if remote is not None else 0,
+                "metadata_bytes": meta_bytes, "data_bytes": data_bytes,
+                "bytes_ratio": meta_bytes / data_bytes if data_bytes else None,
+                "by_tier": {name: {"metadata_bytes": n, "data_bytes": chain["data_bytes"][name]}
+                            for name, n in chain.get("metadata_bytes", {}).items()}},
+            "completion_overhead": chain.get("ops", {}),
+            "block_life": {"device": self.manager.pool.life.snapshot(), **chain.get("life", {})},
+            "prefetch_slack": {"slack_s": tel.slack_s.snapshot(), "tier_load_s": tel.tier_load_s.snapshot(),
+                               "loads": tel.loads, "loads_within_slack": tel.loads_within_slack},
+            "ttft_attribution": tel.attribution(),
+        }
 
     def stats(self) -> dict[str, object]:
         """A snapshot of queue, pool and cache state plus the counters, as plain values."""
@@ -446,6 +536,8 @@ class EngineCore:
             "prefill_tokens_per_s": self._prefill_tps,
             "tiers": tiers,
             "archetype": self.archetype(tiers),
+            "timing": self.telemetry.snapshot(),
+            "gaps": self.gaps(),
             "engine_pid": os.getpid(),
             "engine_threads": {"owner": self.owner_thread, "step": self.step_thread},
         }

@@ -30,6 +30,11 @@ class SamplingRow:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    stop_ids: tuple[int, ...] = ()  # masked while the choice is shorter than params.min_tokens
+
+    @property
+    def must_continue(self) -> bool:
+        return len(self.output_token_ids) < self.params.min_tokens and bool(self.stop_ids)
 
 
 @dataclass(slots=True)
@@ -166,13 +171,17 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per sampling row"
         params = [row.params for row in rows]
-        if all(p.greedy and p.logprobs is None and not p.has_penalties for p in params):
+        masked = [i for i, p in enumerate(params) if p.min_tokens and rows[i].must_continue]
+        if not masked and all(p.greedy and p.logprobs is None and not p.has_penalties for p in params):
             return SamplerOutput(logits.argmax(dim=-1).tolist())
         x = logits.to(torch.float32, copy=True)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = None
         if lp_rows:
             raw_logprobs = (x if len(lp_rows) == len(rows) else x[lp_rows]).log_softmax(dim=-1)
+        vocab = x.shape[-1]
+        for i in masked:  # min_tokens: the stop tokens cannot be drawn yet
+            x[i, [t for t in rows[i].stop_ids if t < vocab]] = float("-inf")
         if any(p.has_penalties for p in params):
             apply_penalties(x, rows)
         tokens = self._choose(x, params, rows)

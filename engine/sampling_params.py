@@ -48,6 +48,7 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
+    min_tokens: int = 0  # vLLM's extension: EOS and stop_token_ids cannot end a choice before this many
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -64,6 +65,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int(self.max_tokens, "max_tokens", 1)
+        self.min_tokens = _check_int(self.min_tokens, "min_tokens", 0)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                                      f"({self.max_tokens})", param="min_tokens")
         self.temperature = _check_float(self.temperature, "temperature", 0.0, 2.0)
         self.top_p = _check_float(self.top_p, "top_p", 0.0, 1.0, low_open=True)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from cache.telemetry import OpTimes
 from cache.tiers.disk import DiskTier
 from cache.tiers.host import HostTier
 from cache.tiers.remote import RemoteTier
@@ -47,6 +48,16 @@ class ChainStats:
     recompute_chosen: int = 0
     dropped_writes: int = 0
     flushed_blocks: int = 0
+
+
+@dataclass(slots=True)
+class JobTimes:
+    """How a prefetch went: issue to release, time in tier I/O, time in remote existence checks."""
+
+    issue_to_done_s: float = 0.0
+    io_s: float = 0.0
+    exists_s: float = 0.0
+    blocks: int = 0  # blocks this job's own reads delivered
 
 
 class IOLoop:
@@ -97,14 +108,17 @@ class TierChain:
         self.io = IOLoop() if disk is not None or remote is not None else None
         self._pending_writes = 0
         self._write_lock = threading.Lock()
-        # ("block", key, payload | None) and ("done", token, None), in the order they happened
-        self._events: queue.SimpleQueue[tuple[str, Any, bytes | memoryview | None]] = queue.SimpleQueue()
+        # ("block", key, payload | None) and ("done", token, JobTimes), in the order they happened
+        self._events: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._inflight: set[bytes] = set()  # disk keys being read (step-loop view)
         self._reads: dict[bytes, asyncio.Future[int]] = {}  # the same, on the I/O loop
         self._jobs: set[Hashable] = set()
         self._job_started: dict[Hashable, float] = {}
         self._staged: dict[bytes, bytes | memoryview] = {}  # loads waiting for a host slot when host is off
         self._remote_sent: OrderedDict[bytes, None] = OrderedDict()  # recently written to remote
+        # issue-to-done vs transfer time per kind of operation (gap metric 3)
+        self.ops = {kind: OpTimes() for kind in ("prefetch", "disk_read", "disk_write", "remote_put")}
+        self.finished_jobs: dict[Hashable, JobTimes] = {}  # what poll() released, for the engine to take
 
     @property
     def tiers(self) -> list[Any]:
@@ -131,7 +145,17 @@ class TierChain:
             self.write_remote([(key, payload)])
         if self.disk is None or self.io is None or not self._reserve_write(1):
             return
-        self.io.submit(self.disk.write(key, payload)).add_done_callback(self._write_done)
+        coro = self._timed("disk_write", self.disk.write(key, payload), time.perf_counter())
+        self.io.submit(coro).add_done_callback(self._write_done)
+
+    async def _timed(self, kind: str, coro: Any, issued: float) -> Any:
+        """Run a tier call on the I/O loop, timed from ``issued`` (when the step loop asked) and alone."""
+        start = time.perf_counter()
+        try:
+            return await coro
+        finally:
+            end = time.perf_counter()
+            self.ops[kind].observe(end - issued, end - start)
 
     def _reserve_write(self, blocks: int) -> bool:
         """Count one more write in flight, or drop ``blocks`` (counted) when the bound is reached."""
@@ -159,7 +183,8 @@ class TierChain:
             self._remote_sent[key] = None
             if len(self._remote_sent) > 65536:
                 self._remote_sent.popitem(last=False)
-        self.io.submit(self.remote.put(fresh)).add_done_callback(self._write_done)
+        coro = self._timed("remote_put", self.remote.put(fresh), time.perf_counter())
+        self.io.submit(coro).add_done_callback(self._write_done)
 
     @property
     def pending_writes(self) -> int:
@@ -230,41 +255,44 @@ class TierChain:
         self._jobs.add(token)
         self._job_started[token] = time.monotonic()
         self.io.submit(self._job(token, list(keys), waits, remote, block_tokens, prefill_tokens_per_s,
-                                 self.disk, self.remote))
+                                 self.disk, self.remote, time.perf_counter()))
         self.stats.prefetches += 1
         return True
 
     async def _job(self, token: Hashable, keys: list[bytes], waits: list[bytes], remote_keys: list[bytes],
                    block_tokens: int, prefill_tokens_per_s: float | None, disk: DiskTier | None,
-                   remote: RemoteTier | None) -> None:
+                   remote: RemoteTier | None, issued: float) -> None:
         # the tiers are captured when the job is submitted: a detach meanwhile cannot pull them away
+        times = JobTimes()
         try:
             t0 = time.perf_counter()
-            own = [self._disk_read(key, disk) for key in keys] if disk is not None else []
+            own = [self._disk_read(key, disk, issued) for key in keys] if disk is not None else []
             shared = [self._reads[k] for k in waits if k in self._reads]
             done = await asyncio.gather(*own, *shared, return_exceptions=True)
             nbytes = sum(n for n in done[: len(own)] if isinstance(n, int))
+            times.blocks = sum(1 for n in done[: len(own)] if isinstance(n, int) and n > 0)
             if disk is not None and nbytes:  # the rate of the batch as issued: reads overlap
                 disk.rate.observe(nbytes, time.perf_counter() - t0, ops=len(own))
             if remote_keys and remote is not None:
-                await self._remote_fetch(remote, remote_keys, block_tokens, prefill_tokens_per_s)
+                await self._remote_fetch(remote, remote_keys, block_tokens, prefill_tokens_per_s, times)
+            times.io_s = time.perf_counter() - t0
         except Exception:  # never leave a waiter hanging
             logger.exception("cache prefetch failed")
         finally:
-            self._events.put(("done", token, None))
+            self._events.put(("done", token, times))
 
-    def _disk_read(self, key: bytes, disk: DiskTier) -> asyncio.Future[int]:
+    def _disk_read(self, key: bytes, disk: DiskTier, issued: float) -> asyncio.Future[int]:
         """One read per key, shared by every job that wants it (runs on the I/O loop)."""
         future = self._reads.get(key)
         if future is None:
-            future = asyncio.ensure_future(self._read_one(key, disk))
+            future = asyncio.ensure_future(self._read_one(key, disk, issued))
             self._reads[key] = future
         return future
 
-    async def _read_one(self, key: bytes, disk: DiskTier) -> int:
+    async def _read_one(self, key: bytes, disk: DiskTier, issued: float) -> int:
         """Read one block into the event queue; returns the bytes read."""
         try:
-            payload = await disk.read(key)
+            payload = await self._timed("disk_read", disk.read(key), issued)
         except Exception:
             logger.exception("disk cache read failed")
             payload = None
@@ -274,8 +302,10 @@ class TierChain:
         return len(payload) if payload is not None else 0
 
     async def _remote_fetch(self, remote: RemoteTier, keys: list[bytes], block_tokens: int,
-                            prefill_tokens_per_s: float | None) -> None:
+                            prefill_tokens_per_s: float | None, times: JobTimes) -> None:
+        t0 = time.perf_counter()
         present = await remote.exists(keys)
+        times.exists_s = time.perf_counter() - t0
         n = 0
         while n < len(present) and present[n]:
             n += 1
@@ -288,6 +318,7 @@ class TierChain:
             if payload is None:
                 break
             self._events.put(("block", key, payload))
+            times.blocks += 1
 
     def poll(self) -> list[Hashable]:
         """Move finished loads into host memory; return the tokens whose loads are all done."""
@@ -304,7 +335,13 @@ class TierChain:
                 if item in self._jobs:
                     self._jobs.discard(item)
                     ready.append(item)
-                    self.stats.prefetch_wait_s += now - self._job_started.pop(item, now)
+                    waited = now - self._job_started.pop(item, now)
+                    self.stats.prefetch_wait_s += waited
+                    payload.issue_to_done_s = waited
+                    self.ops["prefetch"].observe(waited, payload.io_s)
+                    self.finished_jobs[item] = payload
+                    if len(self.finished_jobs) > 4096:  # nobody takes them (a chain used on its own)
+                        del self.finished_jobs[next(iter(self.finished_jobs))]
                 continue
             key = item
             self._inflight.discard(key)
@@ -325,6 +362,7 @@ class TierChain:
     def cancel(self, token: Hashable) -> None:
         self._jobs.discard(token)
         self._job_started.pop(token, None)
+        self.finished_jobs.pop(token, None)
 
     # ---- attach and detach at run time (step loop) ----------------------------------------------
     def attach(self, name: str, tier: Any, remote_write: str | None = None) -> None:
@@ -400,6 +438,17 @@ class TierChain:
             self.io = None
 
     # ---- accounting ---------------------------------------------------------------------------
+    def telemetry(self) -> dict[str, Any]:
+        """The gap metrics the chain measures: op timings, block lives, remote access pattern, and
+        the bytes that describe blocks against the bytes of blocks moved."""
+        out: dict[str, Any] = {"ops": {kind: op.snapshot() for kind, op in self.ops.items()},
+                               "life": {t.name: t.life.snapshot() for t in self.tiers},
+                               "metadata_bytes": {t.name: t.stats.metadata_bytes for t in self.tiers},
+                               "data_bytes": {t.name: t.stats.bytes_read + t.stats.bytes_written for t in self.tiers}}
+        if self.remote is not None:
+            out["remote_access"] = self.remote.access.snapshot()
+        return out
+
     def snapshot(self) -> dict[str, Any]:
         out: dict[str, Any] = {"chain": {**_asdict(self.stats), "pending_writes": self._pending_writes,
                                          "inflight_reads": len(self._inflight)}}

@@ -24,7 +24,8 @@ from pathlib import Path
 import aiofiles
 import aiofiles.os
 
-from cache.tiers.codec import BlockFormat, CorruptBlockError, decode, encode
+from cache.telemetry import BlockLife
+from cache.tiers.codec import HEADER_SIZE, BlockFormat, CorruptBlockError, decode, encode
 from cache.tiers.policy import make_policy
 from cache.tiers.stats import RateEstimate, TierStats
 
@@ -49,6 +50,7 @@ class DiskTier:
         self.stats = TierStats()
         # observed per prefetch batch by the chain (reads overlap, so one read's time says little)
         self.rate = RateEstimate(bytes_per_s=500e6, latency_s=2e-3)
+        self.life = BlockLife()  # written on the I/O loop (reads, writes, evictions)
         self._lock = threading.Lock()  # the index is read by the step loop, changed by the I/O loop
         self._index: set[bytes] = set()
         self._reserved = 0
@@ -107,6 +109,7 @@ class DiskTier:
 
     def _drop(self, key: bytes) -> None:
         self._index.discard(key)
+        self.life.removed(key)
         _unlink(self.path_of(key))
         self.stats.evictions += 1
 
@@ -146,7 +149,9 @@ class DiskTier:
             return None
         with self._lock:
             self.policy.touch(key)
+            self.life.accessed(key)
         self.stats.hits += 1
+        self.stats.metadata_bytes += HEADER_SIZE
         self.stats.reads += 1
         self.stats.read_time_s += elapsed
         self.stats.bytes_read += data.nbytes
@@ -185,7 +190,9 @@ class DiskTier:
             self._reserved -= 1
             self._index.add(key)
             self.policy.insert(key)
+            self.life.inserted(key)
         self.stats.puts += 1
+        self.stats.metadata_bytes += HEADER_SIZE
         self.stats.writes += 1
         self.stats.write_time_s += elapsed
         self.stats.bytes_written += len(record)
@@ -197,6 +204,7 @@ class DiskTier:
                 return False
             self._index.discard(key)
             self.policy.remove(key)
+            self.life.removed(key)
         _unlink(self.path_of(key))
         return True
 
@@ -205,6 +213,7 @@ class DiskTier:
             if key in self._index:
                 self._index.discard(key)
                 self.policy.remove(key)
+                self.life.removed(key)
 
     def _error(self, op: str, exc: OSError) -> None:
         self.stats.errors += 1

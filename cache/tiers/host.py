@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
+from cache.telemetry import BlockLife
 from cache.tiers.policy import make_policy
 from cache.tiers.stats import RateEstimate, TierStats
 
@@ -33,6 +34,7 @@ class HostTier:
         self.policy_name = policy
         self.stats = TierStats()
         self.rate = RateEstimate(bytes_per_s=5e9, latency_s=1e-5)
+        self.life = BlockLife()
 
     def __len__(self) -> int:
         return len(self._index)
@@ -56,6 +58,7 @@ class HostTier:
         self.stats.write_time_s += time.perf_counter() - t0
         self._index[key] = slot
         self.policy.insert(key)
+        self.life.inserted(key)
         self.stats.puts += 1
         self.stats.writes += 1
         self.stats.bytes_written += self.block_nbytes
@@ -77,6 +80,7 @@ class HostTier:
         elapsed = time.perf_counter() - t0
         self.rate.observe(self.block_nbytes, elapsed)
         self.policy.touch(key)
+        self.life.accessed(key)
         self.stats.hits += 1
         self.stats.reads += 1
         self.stats.read_time_s += elapsed
@@ -92,6 +96,7 @@ class HostTier:
         if slot is None:
             return False
         self.policy.remove(key)
+        self.life.removed(key)
         self._free.append(slot)
         return True
 
@@ -109,6 +114,7 @@ class HostTier:
         slot = self._index.pop(key)  # type: ignore[call-overload]
         payload = self.slots[slot].numpy().tobytes()
         self._free.append(slot)
+        self.life.removed(key)
         self.stats.evictions += 1
         return key, payload  # type: ignore[return-value]
 

@@ -19,7 +19,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from cache.tiers.codec import BlockFormat, CorruptBlockError, decode, encode
+from cache.telemetry import AccessPattern, BlockLife
+from cache.tiers.codec import HEADER_SIZE, BlockFormat, CorruptBlockError, decode, encode
 from cache.tiers.stats import RateEstimate, TierStats
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ class RemoteTier:
         self.policy_name = "ttl"
         self.exists_checks = 0
         self.exists_time_s = 0.0
+        self.access = AccessPattern()  # op and batch sizes, read/write mix (gap metric 1)
+        self.life = BlockLife(max_tracked=65536)  # keys this replica wrote or read; Redis expires them itself
         self._client: Any = None
         self._logged = False
 
@@ -147,6 +150,9 @@ class RemoteTier:
         result = await self._run(lambda pipe: [pipe.exists(self.key(k)) for k in keys])
         self.exists_checks += 1
         self.exists_time_s += time.perf_counter() - t0
+        key_bytes = len(keys) * (len(self.prefix) + 2 * len(keys[0]))
+        self.stats.metadata_bytes += key_bytes + len(keys)  # the keys out, one integer per key back
+        self.access.observe("exists", len(keys), key_bytes)
         if result is None:
             return [False] * len(keys)
         return [bool(r) for r in result]
@@ -173,6 +179,7 @@ class RemoteTier:
                 out.append(decode(self.fmt, key, data).tobytes())
                 nbytes += len(data)
                 self.stats.hits += 1
+                self.life.accessed(key)
             except CorruptBlockError as exc:
                 logger.warning("remote cache: block %s is unusable (%s); deleted", key.hex()[:16], exc)
                 self.stats.corrupt += 1
@@ -182,6 +189,9 @@ class RemoteTier:
         self.stats.reads += 1
         self.stats.read_time_s += elapsed
         self.stats.bytes_read += nbytes
+        found = sum(o is not None for o in out)
+        self.stats.metadata_bytes += len(keys) * (len(self.prefix) + 2 * len(keys[0])) + found * HEADER_SIZE
+        self.access.observe("get", len(keys), nbytes)
         if nbytes:
             self.rate.observe(nbytes, elapsed, ops=len(keys))
         if bad:
@@ -201,7 +211,12 @@ class RemoteTier:
         self.stats.puts += len(items)
         self.stats.writes += 1
         self.stats.write_time_s += time.perf_counter() - t0
-        self.stats.bytes_written += sum(len(v) for _, v in records)
+        sent = sum(len(k) + len(v) for k, v in records)
+        self.stats.bytes_written += sent - sum(len(k) for k, _ in records)
+        self.stats.metadata_bytes += sum(len(k) for k, _ in records) + len(records) * HEADER_SIZE
+        self.access.observe("put", len(items), sent)
+        for key, _ in items:
+            self.life.inserted(key)
         return len(items)
 
     async def close(self) -> None:

@@ -20,6 +20,7 @@ class TierStats:
     errors: int = 0
     corrupt: int = 0
     dropped: int = 0
+    metadata_bytes: int = 0  # keys, record headers, existence checks: bytes that describe blocks
 
     def snapshot(self) -> dict[str, float]:
         return asdict(self)

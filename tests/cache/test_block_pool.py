@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from cache.block_pool import Block, BlockPool
@@ -116,7 +114,7 @@ def test_reallocating_a_cached_block_evicts_its_hash_and_records_lifetime() -> N
     pool = BlockPool(2)
     (b0,) = take(pool, 1)
     assert pool.cache_block(b0, h(0))
-    b0.cached_at = time.monotonic() - 5.0
+    pool.life._seen[h(0)][0] -= 5.0  # cached five seconds ago
     pool.free_blocks([b0])
     assert free_queue(pool) == [1, 0]
 
@@ -129,21 +127,34 @@ def test_reallocating_a_cached_block_evicts_its_hash_and_records_lifetime() -> N
     assert pool.get_cached_block(h(0)) is None
     assert pool.num_cached_blocks == 0
     assert pool.stats.evictions == 1
-    assert len(pool.stats.lifetimes_s) == 1
-    assert 5.0 <= pool.stats.lifetimes_s[0] < 60.0
+    life = pool.life.snapshot()
+    assert life["lifetime_s"]["count"] == 1 and 5.0 <= life["lifetime_s"]["sum"] < 60.0
+    assert life["uses"]["count"] == 1 and life["uses"]["sum"] == 0  # never hit
+    assert life["tracked_blocks"] == 0
     assert pool.stats.allocations == 3
     pool.check_invariants()
 
 
-def test_lifetime_samples_are_capped() -> None:
-    pool = BlockPool(1, max_lifetime_samples=2)
-    for i in range(4):
+def test_block_life_is_bounded_by_the_cached_blocks_and_counts_reuse() -> None:
+    pool = BlockPool(1)
+    for i in range(400):
         (b,) = take(pool, 1)
         pool.cache_block(b, h(i))
         pool.free_blocks([b])
+        assert len(pool.life) == 1  # one record per cached block, never more
     pool.get_new_blocks(1)
-    assert pool.stats.evictions == 4
-    assert len(pool.stats.lifetimes_s) == 2
+    life = pool.life.snapshot()
+    assert pool.stats.evictions == 400 and life["lifetime_s"]["count"] == 400
+    assert len(life["lifetime_s"]["counts"]) == len(life["lifetime_s"]["buckets"]) + 1
+
+    pool = BlockPool(4)
+    b0, b1 = take(pool, 2)
+    pool.cache_block(b0, h(0))
+    pool.cache_block(b1, h(1))
+    pool.touch([b0])  # one access (h(1) cached) in between: distance 1
+    pool.touch([b0])  # immediately again: distance 0
+    life = pool.life.snapshot()
+    assert life["reuse_distance"]["count"] == 2 and life["reuse_distance"]["sum"] == 1
 
 
 def test_get_new_blocks_returns_none_and_changes_nothing_when_short(pool: BlockPool) -> None:

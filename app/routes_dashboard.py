@@ -1,0 +1,5 @@
+"""(being written)"""
+
+from fastapi import APIRouter
+
+router = APIRouter(tags=["admin"])
