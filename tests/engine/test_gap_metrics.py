@@ -41,7 +41,7 @@ def test_block_life_bounds_what_it_tracks_for_a_store_it_cannot_see_expire() -> 
 
 def test_ttft_attribution_takes_the_slow_tail_and_its_parts_add_up() -> None:
     tel = EngineTelemetry()
-    for i in range(99):
+    for _ in range(99):
         tel.first_token(RequestTiming(added=0.0, metadata_s=0.001, prefill_s=0.01), 0.02, 0.001)
     tel.first_token(RequestTiming(added=0.0, metadata_s=0.001, load_s=0.5, prefill_s=0.01, lower_tier=True,
                                   first_scheduled=0.6), 1.0, 0.001)
