@@ -2,20 +2,47 @@
 
 `Authorization: Bearer <key>` resolves to a `Tenant` through the registry (hashed keys, constant
 time); with no tenants configured every caller is the anonymous tenant and keys are ignored.
+`reload_tenants` swaps in a registry rebuilt from the configuration file (SIGHUP or
+`POST /admin/reload`): one assignment, so a request authenticates against the old registry or
+the new one, never a mix; requests already running keep the tenant they started as.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
 from app.errors import APIError, AuthenticationError
-from app.settings import Settings
+from app.settings import ConfigError, Settings
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineDeadError, EngineNotReadyError
 from tenants.registry import Tenant, TenantRegistry
+
+logger = logging.getLogger(__name__)
+
+
+def reload_tenants(state: Any) -> dict[str, Any]:
+    """Re-read `[[tenants]]` and `[admin]` from the configuration and swap the registry in.
+
+    Raises ConfigError (the old registry stays) when the file no longer parses, or when the
+    server was not started from a configuration it can re-read. Other sections are not applied
+    (they need a restart), and the server secret is re-read with them: changing it re-salts
+    every namespace.
+    """
+    load = getattr(state, "reload_settings", None)
+    if load is None:
+        raise ConfigError("this server was not started by `kvgate serve`: there is no configuration to re-read")
+    fresh: Settings = load()
+    registry = fresh.tenant_registry()
+    state.settings = state.settings.model_copy(update={"tenants": fresh.tenants, "admin": fresh.admin})
+    state.registry = registry
+    names = sorted(t.name for t in registry.tenants)
+    logger.info("tenants reloaded: %d tenant(s) (%s), admin key %s", len(names), ", ".join(names) or "none",
+                "set" if fresh.admin.api_key else "unset")
+    return {"tenants": names, "admin_key": fresh.admin.api_key is not None}
 
 
 def bearer_token(request: Request) -> str | None:

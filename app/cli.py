@@ -37,7 +37,8 @@ configuration:
   /admin/metrics; default true), [cache] block_size/eviction (lru|s3fifo),
   [cache.device] num_blocks, [cache.host] capacity_mb (0 = off), [cache.disk] path/capacity_mb
   (0 = off), [cache.remote] url/cluster/ttl_s/write (through|back; section absent = off),
-  [admin] api_key, [[tenants]] name/api_keys/share_group/quota. Unknown keys are errors.
+  [admin] api_key, [[tenants]] name/api_keys/share_group/quota, [[public_prefixes]]
+  name/text|system|token_ids (shared by every tenant). Unknown keys are errors.
 
 environment:
   KVGATE_CONFIG     config file when --config is absent
@@ -52,6 +53,8 @@ KV-cache tiers: device blocks evicted from the pool move to CPU memory (--host-c
 
 signals: SIGTERM or Ctrl-C drains: new requests get 503 with Retry-After while in-flight ones
   get [server] shutdown_timeout_s to finish; then the server exits 0. A second one exits at once.
+  SIGHUP re-reads the config file's [[tenants]] and [admin] (as POST /admin/reload does): a removed
+  key stops working at once, running requests finish; a broken file is logged and changes nothing.
 
 exit status: 0 after a drain; 1 if the model failed to load or the engine process kept
   crashing; 2 for a bad configuration, an address in use or a model that cannot be found
@@ -267,7 +270,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from app.main import create_app
 
-    app = create_app(settings)
+    app = create_app(settings, reload=lambda: load_settings(args.config, overrides))
     config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=int(settings.server.shutdown_timeout_s) + 5)
     server = _Server(config, app)
@@ -358,17 +361,35 @@ class _Server(uvicorn.Server):
             return
         loop.call_soon_threadsafe(begin_drain, self._app)
 
+    def handle_reload(self, sig: int, frame: FrameType | None) -> None:
+        """SIGHUP: re-read the tenants on the event loop (app.auth.reload_tenants); a broken file is
+        logged and the tenants in use stay."""
+        loop = self._app.state.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(_reload_logged, self._app.state)
+
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         # uvicorn re-raises the captured signal after a graceful shutdown (exit status -15);
         # a drained server should exit 0, so install the handlers without re-raising.
         handled = (signal.SIGINT, signal.SIGTERM)
         original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        original[signal.SIGHUP] = signal.signal(signal.SIGHUP, self.handle_reload)
         try:
             yield
         finally:
             for sig, handler in original.items():
                 signal.signal(sig, handler)
+
+
+def _reload_logged(state: Any) -> None:
+    from app.auth import reload_tenants
+    from app.settings import ConfigError
+
+    try:
+        reload_tenants(state)
+    except ConfigError as exc:
+        logger.error("SIGHUP: reload failed, the tenants in use are unchanged: %s", exc)
 
 
 def _exit_now(sig: int) -> None:

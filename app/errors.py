@@ -52,6 +52,13 @@ class AuthenticationError(APIError):
         super().__init__(message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
+class NotFoundError(APIError):
+    status_code = 404
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="not_found")
+
+
 class ModelNotFoundError(APIError):
     status_code = 404
 

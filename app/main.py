@@ -15,7 +15,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -24,20 +24,30 @@ from app import routes_admin, routes_dashboard, routes_metrics, routes_openai, r
 from app.api_docs import install_docs
 from app.errors import BodySizeLimitMiddleware, install_exception_handlers
 from app.logging import AccessLogMiddleware, RequestCounters, configure_logging
+from app.public_prefixes import PrefixSpec, PublicPrefixStore
 from app.settings import Settings
 from engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings, engine: AsyncEngine | None = None) -> FastAPI:
-    """Build the app; with `engine` given it serves that engine instead of loading one."""
+def create_app(settings: Settings, engine: AsyncEngine | None = None,
+               reload: Callable[[], Settings] | None = None) -> FastAPI:
+    """Build the app; with `engine` given it serves that engine instead of loading one.
+
+    `reload` re-reads the configuration (the CLI passes it): SIGHUP and `POST /admin/reload`
+    then swap in its tenants (app.auth.reload_tenants).
+    """
     # The built-in docs routes are off: app.api_docs serves them without a CDN, per [server] docs.
     app = FastAPI(title="KVGate", version="0.1.0", lifespan=_lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     state = app.state
     state.settings = settings
+    state.reload_settings = reload
     state.registry = settings.tenant_registry()
+    state.public_prefixes = PublicPrefixStore([
+        PrefixSpec(p.name, p.text, p.system, tuple(p.token_ids) if p.token_ids else None)
+        for p in settings.public_prefixes])
     state.engine = None
     state.given_engine = engine
     state.load_error = None

@@ -61,6 +61,14 @@ class PromptPool:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+def builder_of(state: Any, engine: Any) -> PromptBuilder:
+    """The serving engine's prompt builder, on the app's tokenizer pool (created on first use)."""
+    pool = getattr(state, "prompt_pool", None)
+    if pool is None:
+        pool = state.prompt_pool = PromptPool()
+    return pool.builder(engine.tokenizer, engine.max_model_len)
+
+
 def check_fanout(num_prompts: int, n: int, max_fanout: int, capacity: int) -> None:
     """Refuse a request that would start more engine sequences than allowed (400, not 429)."""
     size = num_prompts * n

@@ -12,7 +12,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.auth import AdminAccess, Engine, drain_retry_after_s, draining_headers
+from app.auth import AdminAccess, Engine, drain_retry_after_s, draining_headers, reload_tenants
+from app.errors import NotFoundError
+from app.prompts import builder_of
+from app.public_prefixes import PrefixSpec
+from app.settings import ConfigError
+from engine.errors import InvalidRequestError
 
 router = APIRouter(tags=["admin"])
 
@@ -69,6 +74,61 @@ async def change_tier(body: TierChange, engine: Engine) -> dict[str, Any]:
     """
     options = body.model_dump(exclude={"action", "tier"}, exclude_none=True)
     return {"tiers": await engine.configure_tier(body.action, body.tier, options)}
+
+
+class PublicPrefixBody(BaseModel):
+    """Body of `POST /admin/public-prefixes`: a name and exactly one of text, system, token_ids."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64)
+    text: str | None = Field(default=None, min_length=1)
+    system: str | None = Field(default=None, min_length=1)
+    token_ids: list[int] | None = Field(default=None, min_length=1)
+
+
+@router.get("/admin/public-prefixes", dependencies=[AdminAccess])
+async def list_public_prefixes(request: Request, engine: Engine) -> dict[str, Any]:
+    """The declared public prefixes: name, how each was given, tokens, full blocks shared."""
+    store = request.app.state.public_prefixes
+    await store.ready(builder_of(request.app.state, engine))
+    return {"public_prefixes": store.listing(engine.limits.block_size)}
+
+
+@router.post("/admin/public-prefixes", dependencies=[AdminAccess])
+async def add_public_prefix(body: PublicPrefixBody, request: Request, engine: Engine) -> dict[str, Any]:
+    """Declare (or replace) a public prefix at run time: its full blocks hash in a namespace every
+    tenant may hit; the blocks after it stay each tenant's own. Requests already running keep
+    the hashes they started with."""
+    given = [k for k in ("text", "system", "token_ids") if getattr(body, k)]
+    if len(given) != 1:
+        raise InvalidRequestError(f"give exactly one of text, system, token_ids (got {', '.join(given) or 'none'})",
+                                  param="text")
+    store = request.app.state.public_prefixes
+    builder = builder_of(request.app.state, engine)
+    await store.ready(builder)
+    spec = PrefixSpec(body.name, body.text, body.system, tuple(body.token_ids) if body.token_ids else None)
+    prefix = await store.add(spec, builder)
+    return {"name": prefix.name, "tokens": len(prefix.token_ids),
+            "shared_blocks": len(prefix.token_ids) // engine.limits.block_size}
+
+
+@router.delete("/admin/public-prefixes/{name}", dependencies=[AdminAccess])
+async def remove_public_prefix(name: str, request: Request) -> dict[str, Any]:
+    """Stop sharing a prefix: later prompts hash it in their tenant's namespace again."""
+    if not request.app.state.public_prefixes.remove(name):
+        raise NotFoundError(f"no public prefix named {name!r}; GET /admin/public-prefixes lists them")
+    return {"name": name, "removed": True}
+
+
+@router.post("/admin/reload", dependencies=[AdminAccess])
+async def reload(request: Request) -> dict[str, Any]:
+    """Re-read the configuration's tenants and admin key (as SIGHUP does) without dropping a request:
+    a removed key stops working at once, running requests finish as the tenant they started as."""
+    try:
+        return reload_tenants(request.app.state)
+    except ConfigError as exc:
+        raise InvalidRequestError(f"reload failed, the tenants in use are unchanged: {exc}", param=None) from None
 
 
 @router.get("/admin/archetype", dependencies=[AdminAccess])

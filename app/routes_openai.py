@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request, Response
 
 from app.auth import CurrentTenant, Engine
 from app.errors import ModelNotFoundError
-from app.prompts import PromptBuilder, PromptPool, check_fanout
+from app.prompts import builder_of, check_fanout
 from app.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -36,6 +36,7 @@ from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.outputs import GenerateRequest
 from engine.sampling_params import SamplingParams
+from tenants.public import PublicPrefixes
 from tenants.registry import Tenant
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -62,10 +63,12 @@ async def create_completion(body: CompletionRequest, request: Request, tenant: C
     num_prompts = len(body.prompt) if isinstance(body.prompt, list) and body.prompt \
         and not isinstance(body.prompt[0], int) else 1
     check_fanout(num_prompts, body.n or 1, request.app.state.settings.server.max_fanout, engine.max_sequences)
-    prompts = await _builder(request, engine).completion(body.prompt)
+    builder = builder_of(request.app.state, engine)
+    prompts = await builder.completion(body.prompt)
     params = [body.sampling_params(_remaining(engine, p)) for p in prompts]
+    public = await request.app.state.public_prefixes.ready(builder)
     job = _submit(request, engine, f"cmpl-{uuid.uuid4().hex}", prompts, params, tenant, body.cache_salt,
-                  prompt_param="prompt")
+                  prompt_param="prompt", public=public)
     if body.stream:
         return completion_stream(job, body.include_usage)
     result = await _until_disconnect(request, _collect(job))
@@ -85,10 +88,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     _check_model(body.model, engine)
     body.check_supported()
     check_fanout(1, body.n or 1, request.app.state.settings.server.max_fanout, engine.max_sequences)
-    prompt = await _builder(request, engine).chat(body.messages)
+    builder = builder_of(request.app.state, engine)
+    prompt = await builder.chat(body.messages)
     params = body.sampling_params(_remaining(engine, prompt))
+    public = await request.app.state.public_prefixes.ready(builder)
     job = _submit(request, engine, f"chatcmpl-{uuid.uuid4().hex}", [prompt], [params], tenant,
-                  body.cache_salt, prompt_param="messages")
+                  body.cache_salt, prompt_param="messages", public=public)
     if body.stream:
         return chat_stream(job, body.include_usage)
     result = await _until_disconnect(request, _collect(job))
@@ -121,26 +126,24 @@ def _remaining(engine: AsyncEngine, prompt: list[int]) -> int:
     return max(1, engine.max_model_len - len(prompt))
 
 
-def _builder(request: Request, engine: AsyncEngine) -> PromptBuilder:
-    """The serving engine's prompt builder, on the app's tokenizer pool (created on first use)."""
-    state = request.app.state
-    pool = getattr(state, "prompt_pool", None)
-    if pool is None:
-        pool = state.prompt_pool = PromptPool()
-    return pool.builder(engine.tokenizer, engine.max_model_len)
-
-
 def _submit(request: Request, engine: AsyncEngine, job_id: str, prompts: list[list[int]],
-            params: list[SamplingParams], tenant: Tenant, cache_salt: str | None, prompt_param: str) -> Job:
+            params: list[SamplingParams], tenant: Tenant, cache_salt: str | None, prompt_param: str,
+            public: PublicPrefixes) -> Job:
     """Add one engine request per prompt; if any is refused, abort those already added.
+
+    A prompt's leading tokens that agree with a declared public prefix hash in the public
+    namespace (unless the caller asked for isolation with `cache_salt`).
 
     When the job's outputs end, each prompt the engine ran goes into the request trace (`app.trace`).
     """
     request_ids = [job_id] if len(prompts) == 1 else [f"{job_id}-{i}" for i in range(len(prompts))]
+    registry = request.app.state.registry
     try:
         streams = engine.add_requests([
             GenerateRequest(request_id=request_id, prompt_token_ids=prompt, params=sampling,
-                            namespace_salt=tenant.salt, cache_salt=cache_salt, tenant=tenant.name)
+                            namespace_salt=tenant.salt, cache_salt=cache_salt, tenant=tenant.name,
+                            public_prefix_len=public.match(prompt) if cache_salt is None and len(public) else 0,
+                            public_salt=registry.public_salt)
             for request_id, prompt, sampling in zip(request_ids, prompts, params, strict=True)])
     except InvalidRequestError as exc:
         if exc.param == "prompt":

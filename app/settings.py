@@ -13,9 +13,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.config import EngineConfig
+from tenants.public import check_name
 from tenants.registry import TenantRegistry, TenantSpec, load_server_secret
 
 if sys.version_info >= (3, 11):
@@ -130,6 +131,30 @@ class TenantSettings(_Section):
     quota: QuotaSettings = QuotaSettings()
 
 
+class PublicPrefixSettings(_Section):
+    """One `[[public_prefixes]]` entry: text every tenant may share the KV of, given as exactly one
+    of `text` (a completion prompt's beginning), `system` (a chat's system message, rendered with
+    the model's chat template) or `token_ids`."""
+
+    name: str
+    text: str | None = None
+    system: str | None = None
+    token_ids: list[int] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return check_name(value)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PublicPrefixSettings:
+        given = [k for k in ("text", "system", "token_ids") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"public prefix {self.name!r} needs exactly one non-empty of text, system, "
+                             f"token_ids (got {', '.join(given) or 'none'})")
+        return self
+
+
 class Settings(_Section):
     """The whole configuration file."""
 
@@ -139,6 +164,7 @@ class Settings(_Section):
     cache: CacheSettings = CacheSettings()
     admin: AdminSettings = AdminSettings()
     tenants: list[TenantSettings] = []
+    public_prefixes: list[PublicPrefixSettings] = []
 
     def engine_config(self) -> EngineConfig:
         """The engine's view of this configuration."""
