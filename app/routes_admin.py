@@ -1,7 +1,7 @@
 """Operational endpoints: `/health`, `/ready`, and the admin API (admin key once configured):
 `/admin/metrics` (JSON; `/metrics` renders the same snapshot for Prometheus), `/admin/archetype`,
-and attaching or detaching cache tiers at run time (`/admin/tiers`). The dashboard (`/admin`)
-and traces (`/admin/trace`) have routers of their own.
+and attaching or detaching cache tiers at run time (`/admin/tiers`). Traces (`/admin/trace`)
+have a router of their own.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ Block *i* of a sequence is keyed by ``h_i = H(h_{i-1} || token_ids of block i ||
 ``h_{-1} = H(namespace salt || model fingerprint || cache_salt)``. ``H`` is BLAKE2b-256, so keys
 are stable across processes and machines (unlike Python's ``hash()``) and a tenant that does not
 know another tenant's salt can never produce one of its keys. Only full blocks get a hash.
+
+A prompt that starts with a *public* prefix (declared by the admin) chains its first ``p`` blocks
+from the public namespace's root instead, so every tenant computes the same keys for them; block
+``p`` then mixes the tenant's own root in as ``extra`` (``switch = (p, tenant root)``), so every
+block after the public prefix is the tenant's alone again.
 """
 
 from __future__ import annotations
@@ -52,16 +57,19 @@ def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int], extra: bytes 
 
 
 def extend_block_hashes(
-    hashes: list[BlockHash], root: BlockHash, token_ids: Sequence[int], block_size: int
+    hashes: list[BlockHash], root: BlockHash, token_ids: Sequence[int], block_size: int,
+    switch: tuple[int, BlockHash] | None = None,
 ) -> list[BlockHash]:
     """Append the hashes of every newly completed full block of ``token_ids`` to ``hashes``.
 
     ``hashes`` already covers the first ``len(hashes)`` blocks; the call is incremental so a
-    decoding sequence pays for each block once.
+    decoding sequence pays for each block once. ``switch = (p, tenant_root)`` (p > 0) mixes the
+    tenant's root into block ``p``: blocks before it are public (``root`` is the public root).
     """
     num_full = len(token_ids) // block_size
     parent = hashes[-1] if hashes else root
     for i in range(len(hashes), num_full):
-        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
+        extra = switch[1] if switch is not None and i == switch[0] else b""
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
         hashes.append(parent)
     return hashes

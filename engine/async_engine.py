@@ -27,6 +27,7 @@ from engine.config import EngineConfig
 from engine.core import SeqOutput
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
+from engine.limits import RequestLimits
 from engine.loop import EngineInfo, FailInfo
 from engine.outputs import CompletionDelta, GenerateRequest, RequestMetrics, RequestOutput, TokenLogprob
 
@@ -121,6 +122,11 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self._info.limits.max_model_len
+
+    @property
+    def limits(self) -> RequestLimits:
+        """The loaded engine's request limits (vocabulary, context, block size, pool)."""
+        return self._info.limits
 
     @property
     def fingerprint(self) -> bytes:

@@ -301,12 +301,17 @@ class EngineCore:
         t0 = time.perf_counter()
         timing = RequestTiming(added=t0)
         root = root_hash(request.namespace_salt, self.fingerprint, request.cache_salt)
+        switch = None
+        public_blocks = request.public_prefix_len // self.block_size
+        if public_blocks and request.public_salt and request.cache_salt is None:
+            root, switch = root_hash(request.public_salt, self.fingerprint), (public_blocks, root)
         seqs = []
         for i in range(params.n):
             seq = Sequence(
                 seq_id=f"{request.request_id}#{i}", request_id=request.request_id, index=i,
                 token_ids=list(request.prompt_token_ids), params=params, root_hash=root,
-                block_size=self.block_size, generator=make_generator(params.seed, i), tenant=request.tenant)
+                block_size=self.block_size, generator=make_generator(params.seed, i), tenant=request.tenant,
+                switch=switch)
             seqs.append(seq)
         t1 = time.perf_counter()
         self.counters.hash_time_s += t1 - t0

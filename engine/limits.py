@@ -48,6 +48,10 @@ class RequestLimits:
             raise InvalidRequestError(
                 f"prompt token id {bad!r} is out of range: ids must be integers in [0, {vocab})",
                 param="prompt")
+        public = request.public_prefix_len
+        if isinstance(public, bool) or not isinstance(public, int) or not 0 <= public <= len(ids):
+            raise InvalidRequestError(f"public_prefix_len {public!r} must be in [0, {len(ids)}] (the prompt's "
+                                      "length)", param="public_prefix_len")
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise InvalidRequestError(

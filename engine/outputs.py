@@ -16,6 +16,8 @@ class GenerateRequest:
 
     `namespace_salt` is the tenant's secret (bytes) and `cache_salt` the optional per-request
     salt; both enter the hash of the first block, so differently salted requests never share KV.
+    The full blocks of the first `public_prefix_len` tokens (a declared public prefix) hash under
+    `public_salt` instead, shared by every tenant; the blocks after them are the tenant's again.
     """
 
     request_id: str
@@ -24,6 +26,8 @@ class GenerateRequest:
     namespace_salt: bytes = b""
     cache_salt: str | None = None
     tenant: str = ""
+    public_prefix_len: int = 0  # leading prompt tokens that are a declared public prefix
+    public_salt: bytes = b""  # the public namespace's salt (hashes those tokens' full blocks)
 
 
 @dataclass(slots=True)

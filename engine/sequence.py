@@ -44,6 +44,7 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     tenant: str = ""
+    switch: tuple[int, BlockHash] | None = None  # a public prefix's length in blocks, and the tenant's root
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -64,7 +65,7 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def update_block_hashes(self) -> None:
-        extend_block_hashes(self.block_hashes, self.root_hash, self.token_ids, self.block_size)
+        extend_block_hashes(self.block_hashes, self.root_hash, self.token_ids, self.block_size, self.switch)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -34,6 +34,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 ANONYMOUS = "anonymous"
+PUBLIC_NAMESPACE = "public"  # tenants are "tenant:<name>", groups "group:<name>": no collision
 TIERS = ("device", "host", "disk", "remote")
 MIN_SECRET_LEN = 16
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -146,11 +147,12 @@ class TenantRegistry:
     """Resolves bearer keys to tenants and checks the admin key, in constant time per key."""
 
     def __init__(self, tenants: Iterable[Tenant], key_digests: Iterable[tuple[bytes, Tenant]],
-                 anonymous: Tenant, admin_digest: bytes | None) -> None:
+                 anonymous: Tenant, admin_digest: bytes | None, public_salt: bytes = b"") -> None:
         self._tenants = {tenant.name: tenant for tenant in tenants}
         self._key_digests = list(key_digests)
         self.anonymous = anonymous
         self._admin_digest = admin_digest
+        self.public_salt = public_salt  # the namespace of public prefixes (tenants.public), shared by all
 
     @classmethod
     def build(cls, specs: Iterable[TenantSpec], secret: bytes, admin_key: str | None = None) -> TenantRegistry:
@@ -176,7 +178,7 @@ class TenantRegistry:
                 seen_keys[digest] = spec.name
                 digests.append((digest, tenant))
         anonymous = Tenant(ANONYMOUS, ANONYMOUS, namespace_salt(secret, ANONYMOUS))
-        return cls(tenants, digests, anonymous, admin_digest)
+        return cls(tenants, digests, anonymous, admin_digest, namespace_salt(secret, PUBLIC_NAMESPACE))
 
     @property
     def open(self) -> bool:

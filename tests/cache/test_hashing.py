@@ -138,3 +138,24 @@ def test_different_salts_never_collide(pairs: set[tuple[bytes, str | None]], tok
     chains = [chain(tokens, root) for root in roots]
     every_hash = roots + [h for c in chains for h in c]
     assert len(set(every_hash)) == len(every_hash)
+
+
+PUBLIC = root_hash(b"public-salt", b"model-fp")
+TENANT_A, TENANT_B = root_hash(b"salt-a", b"model-fp"), root_hash(b"salt-b", b"model-fp")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=BLOCK, max_size=12 * BLOCK), st.integers(1, 12),
+       st.integers(0, 6))
+def test_a_public_prefix_is_shared_and_what_follows_it_is_each_tenants_own(
+        tokens: list[int], public_blocks: int, split: int) -> None:
+    public_blocks = min(public_blocks, len(tokens) // BLOCK)
+    a = extend_block_hashes([], PUBLIC, tokens, BLOCK, (public_blocks, TENANT_A))
+    b = extend_block_hashes([], PUBLIC, tokens, BLOCK, (public_blocks, TENANT_B))
+    assert a[:public_blocks] == b[:public_blocks] == chain(tokens, PUBLIC)[:public_blocks]
+    assert not set(a[public_blocks:]) & set(b[public_blocks:])  # never each other's continuation
+    assert not set(a) & set(chain(tokens, TENANT_A))  # nor the tenant's private chain of the prompt
+    # incremental (a decoding sequence) equals all at once
+    cut = min(len(tokens), split * BLOCK)
+    step = extend_block_hashes([], PUBLIC, tokens[:cut], BLOCK, (public_blocks, TENANT_A))
+    assert extend_block_hashes(step, PUBLIC, tokens, BLOCK, (public_blocks, TENANT_A)) == a

@@ -1,5 +1,0 @@
-"""(being written)"""
-
-from fastapi import APIRouter
-
-router = APIRouter(tags=["admin"])
