@@ -143,7 +143,7 @@ def _submit(request: Request, engine: AsyncEngine, job_id: str, prompts: list[li
             GenerateRequest(request_id=request_id, prompt_token_ids=prompt, params=sampling,
                             namespace_salt=tenant.salt, cache_salt=cache_salt, tenant=tenant.name,
                             public_prefix_len=public.match(prompt) if cache_salt is None and len(public) else 0,
-                            public_salt=registry.public_salt)
+                            public_salt=registry.public_salt, quota=tenant.quota)
             for request_id, prompt, sampling in zip(request_ids, prompts, params, strict=True)])
     except InvalidRequestError as exc:
         if exc.param == "prompt":

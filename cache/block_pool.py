@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
+from itertools import islice
 
 from cache.hashing import BlockHash
+from cache.quota import UNKNOWN, QuotaLedger
 from cache.telemetry import BlockLife
 
 
@@ -51,6 +53,7 @@ class BlockPool:
         self._cached: dict[BlockHash, Block] = {}
         self.stats = BlockPoolStats()
         self.life = BlockLife()  # reuse distance and lifetime of cached blocks (gap metric 4)
+        self.ledger = QuotaLedger(num_blocks)  # who holds each cached block; tenants' device quotas
         # Called with (block, hash) just before a cached block's KV is given up for reuse, while
         # the block still holds it: the tier chain copies it down (demotion).
         self.on_evict: Callable[[Block, BlockHash], None] | None = None
@@ -70,18 +73,41 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> Block | None:
         return self._cached.get(block_hash)
 
-    def get_new_blocks(self, num: int) -> list[Block] | None:
-        """Take ``num`` blocks from the LRU end of the free queue, or None if there are fewer."""
+    def get_new_blocks(self, num: int, owner: str = UNKNOWN) -> list[Block] | None:
+        """Take ``num`` blocks for ``owner``, or None if fewer are free.
+
+        Blocks come from the LRU end of the free queue; once tenants have device quotas, the
+        ledger may pick another idle block instead (``cache.quota``: an owner at its quota gives
+        up its own first, and nobody is pushed below its fair share).
+        """
         if num > len(self._free):
             return None
         taken = []
         for _ in range(num):
-            _, block = self._free.popitem(last=False)
+            block = self._take(owner)
             self._evict(block)
             block.ref_cnt = 1
             taken.append(block)
         self.stats.allocations += num
         return taken
+
+    _SCAN = 64  # free-queue entries searched for an empty block before evicting a protected one
+
+    def _take(self, owner: str) -> Block:
+        head = next(iter(self._free.values()))
+        if not self.ledger.active or head.block_hash is None:
+            return self._free.pop(head.block_id)
+        choice = self.ledger.choose(owner, head.block_hash, self._idle)
+        if choice != head.block_hash and not self.ledger.at_quota(owner):
+            for block in islice(self._free.values(), self._SCAN):
+                if block.block_hash is None:  # an empty block costs nobody anything
+                    return self._free.pop(block.block_id)
+        block = self._cached[choice] if choice is not None else head  # type: ignore[index]
+        return self._free.pop(block.block_id)
+
+    def _idle(self, block_hash: Hashable) -> bool:
+        block = self._cached.get(block_hash)  # type: ignore[call-overload]
+        return block is not None and block.ref_cnt == 0
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take a reference on cache-hit blocks, pulling idle ones out of the free queue."""
@@ -93,6 +119,7 @@ class BlockPool:
             self.stats.cache_hits += 1
             if block.block_hash is not None:
                 self.life.accessed(block.block_hash)
+                self.ledger.touch(block.block_hash)
 
     def hold(self, block: Block) -> None:
         """Take a reference without counting a cache hit (pins a block while a prefix is assembled)."""
@@ -104,15 +131,27 @@ class BlockPool:
         """Drop one reference from each block; blocks reaching zero join the free queue's tail.
 
         Callers pass a request's blocks tail-first, so a chain's tail is evicted before its head.
+        An owner left holding more idle cached blocks than its quota drops the oldest at once.
         """
+        over: set[str] = set()
         for block in blocks:
             assert block.ref_cnt > 0, f"double free of block {block.block_id}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+                if block.block_hash is not None:
+                    self.ledger.touch(block.block_hash)
+                    if self.ledger.active:
+                        owner = self.ledger.owner_of(block.block_hash) or UNKNOWN
+                        limit = self.ledger.limit(owner)
+                        if limit is not None and self.ledger.count(owner) > limit:
+                            over.add(owner)
+        for owner in over:  # blocks kept past the quota while a request held them
+            self._trim(owner, self.ledger.limit(owner) or 0)
 
-    def cache_block(self, block: Block, block_hash: BlockHash) -> bool:
-        """Publish a full block under its hash; False if another block already holds that prefix."""
+    def cache_block(self, block: Block, block_hash: BlockHash, owner: str = UNKNOWN) -> bool:
+        """Publish a full block under its hash for ``owner`` (who computed or loaded it); False if
+        another block already holds that prefix."""
         if block.block_hash is not None:
             return block.block_hash == block_hash
         if block_hash in self._cached:
@@ -122,7 +161,20 @@ class BlockPool:
         block.hits = 0
         self._cached[block_hash] = block
         self.life.inserted(block_hash)
+        self.ledger.add(block_hash, owner)
+        limit = self.ledger.limit(owner)
+        if limit is not None and self.ledger.count(owner) > limit:
+            self._trim(owner, limit)
         return True
+
+    def _trim(self, owner: str, limit: int) -> None:
+        """Drop ``owner``'s least recently used idle cached blocks until it holds ``limit``
+        (blocks that requests hold stay: a quota never takes KV from a running request)."""
+        surplus = self.ledger.count(owner) - limit
+        idle = [h for h in self.ledger.oldest(owner) if self._idle(h)][:surplus]
+        for block_hash in idle:
+            self._evict(self._cached[block_hash])  # type: ignore[index]
+            self.ledger.own_evictions += 1
 
     def _evict(self, block: Block, demote: bool = True) -> None:
         if block.block_hash is None:
@@ -131,6 +183,7 @@ class BlockPool:
             self.on_evict(block, block.block_hash)
         del self._cached[block.block_hash]
         self.life.removed(block.block_hash)
+        self.ledger.remove(block.block_hash)
         block.block_hash = None
         self.stats.evictions += 1
 
@@ -151,4 +204,6 @@ class BlockPool:
                 assert self._cached.get(block.block_hash) is block, f"block {block.block_id} hash unmapped"
         for block_hash, block in self._cached.items():
             assert block.block_hash == block_hash
+            assert self.ledger.owner_of(block_hash) is not None, f"block {block.block_id} has no owner"
+        assert len(self.ledger) == len(self._cached)
         assert len(self._free) + sum(1 for b in self.blocks if b.ref_cnt > 0) == self.num_blocks

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from cache.block_pool import Block, BlockPool
 from cache.hashing import BlockHash, extend_block_hashes
+from cache.quota import PUBLIC, UNKNOWN
 
 
 @dataclass(slots=True)
@@ -93,7 +94,7 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def promote(self, block_hashes: Sequence[BlockHash], num_tokens: int,
-                load: Callable[[BlockHash, int], bool]) -> int:
+                load: Callable[[BlockHash, int], bool], owner: str = UNKNOWN, public_blocks: int = 0) -> int:
         """Bring the lower-tier continuation of a prompt's cached prefix into the device pool.
 
         Walks the prefix: blocks already on the device are pinned, the next missing ones are given
@@ -106,10 +107,10 @@ class KVCacheManager:
         held: list[Block] = []
         loaded = 0
         try:
-            for block_hash in self.reusable_hashes(block_hashes, num_tokens):
+            for i, block_hash in enumerate(self.reusable_hashes(block_hashes, num_tokens)):
                 block = self.pool.get_cached_block(block_hash)
                 if block is None:
-                    fresh = self.pool.get_new_blocks(1)
+                    fresh = self.pool.get_new_blocks(1, owner)
                     if fresh is None:
                         break
                     block = fresh[0]
@@ -121,7 +122,7 @@ class KVCacheManager:
                     if not ok:
                         self.pool.free_blocks([block])
                         break
-                    self.pool.cache_block(block, block_hash)
+                    self.pool.cache_block(block, block_hash, PUBLIC if i < public_blocks else owner)
                     loaded += 1
                 else:
                     self.pool.hold(block)
@@ -155,12 +156,15 @@ class KVCacheManager:
         new_computed_blocks: Sequence[Block] = (),
         block_hashes: Sequence[BlockHash] = (),
         token_ids: Sequence[int] = (),
+        owner: str = UNKNOWN,
+        public_blocks: int = 0,
     ) -> list[Block] | None:
         """Grow the request's table to hold ``num_computed_tokens + num_new_tokens`` tokens.
 
         ``new_computed_blocks`` are this request's cache hits (first allocation only). Full blocks
-        covered after this step are published under ``block_hashes``. Returns the newly taken
-        blocks, or None (with nothing changed) when the pool lacks room.
+        covered after this step are published under ``block_hashes``, held by ``owner`` (the
+        first ``public_blocks`` by the public namespace). Returns the newly taken blocks, or None
+        (with nothing changed) when the pool lacks room.
         """
         total = num_computed_tokens + num_new_tokens
         if self._blocks_needed(request_id, total, new_computed_blocks) > self.pool.num_free_blocks:
@@ -169,21 +173,21 @@ class KVCacheManager:
         self.pool.touch(new_computed_blocks)
         table.extend(new_computed_blocks)
         fresh = max(0, _cdiv(total, self.block_size) - len(table))
-        new_blocks = self.pool.get_new_blocks(fresh)
+        new_blocks = self.pool.get_new_blocks(fresh, owner)
         assert new_blocks is not None, "free-block check and allocation disagree"
         table.extend(new_blocks)
         if self.enable_caching and block_hashes:
-            self._publish(request_id, table, block_hashes, total, token_ids)
+            self._publish(request_id, table, block_hashes, total, owner, public_blocks)
         return new_blocks
 
     def _publish(
         self, request_id: str, table: list[Block], block_hashes: Sequence[BlockHash], total: int,
-        token_ids: Sequence[int],
+        owner: str, public_blocks: int,
     ) -> None:
         num_full = min(total // self.block_size, len(block_hashes))
         done = self._num_published.get(request_id, 0)
         for i in range(done, num_full):
-            if not self.pool.cache_block(table[i], block_hashes[i]):
+            if not self.pool.cache_block(table[i], block_hashes[i], PUBLIC if i < public_blocks else owner):
                 self.stats.duplicate_blocks += 1
         self._num_published[request_id] = max(done, num_full)
 

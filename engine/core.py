@@ -6,6 +6,7 @@ drive it directly and ``EngineLoop`` calls it from the thread that built it (eng
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -19,6 +20,7 @@ from cache.archetype import classify, describe
 from cache.hashing import root_hash
 from cache.kv_storage import KVStorage
 from cache.manager import KVCacheManager
+from cache.quota import PUBLIC, UNKNOWN
 from cache.tiers.chain import TierChain
 from cache.tiers.codec import BlockFormat
 from cache.tiers.disk import DiskTier
@@ -102,6 +104,7 @@ class EngineCore:
                                         self.storage.block_shape)
         self.chain: TierChain | None = None
         self._loading: dict[str, list[Sequence]] = {}
+        self._quotas: dict[str, tuple[dict[str, int], bytes]] = {}  # tenant → (block quota per tier, salt)
         self._prefill_tps: float | None = None
         chain = self._build_chain(config)
         if chain is not None:
@@ -199,16 +202,38 @@ class EngineCore:
             if write not in (None, "through", "back"):
                 raise ValueError(f"write must be through or back, got {write!r}")
             chain.attach(name, self._make_tier(name, options), remote_write=write)
+            for tenant in self._quotas:
+                self._apply_quota(tenant)
         logger.info("cache tier %s %sed", name, action)
         return chain.snapshot()
 
+    def _apply_quota(self, tenant: str) -> None:
+        """Give every tier the tenant's latest block quota (`cache.quota`); a tier without one in
+        the request's quota is unlimited for it. Remote quotas are kept in Redis under a tag that
+        only this server's secret links to the tenant."""
+        quota, salt = self._quotas[tenant]
+        self.manager.pool.ledger.set_limit(tenant, quota.get("device"))
+        chain = self.chain
+        if chain is None:
+            return
+        for tier in (chain.host, chain.disk):
+            if tier is not None:
+                tier.ledger.set_limit(tenant, quota.get(tier.name))
+        if chain.remote is not None and "remote" in quota:
+            tag = hashlib.blake2b(tenant.encode(), key=salt[:64], digest_size=12, person=b"kvgate-owner").hexdigest()
+            chain.remote.set_account(tenant, tag, quota["remote"])
+        elif chain.remote is not None:
+            chain.remote.drop_account(tenant)
+
     def _demote(self, block: Any, block_hash: bytes) -> None:
         assert self.chain is not None
-        self.chain.demote(block_hash, self.storage.block_view(block.block_id))
+        owner = self.manager.pool.ledger.owner_of(block_hash) or UNKNOWN
+        self.chain.demote(block_hash, self.storage.block_view(block.block_id), owner)
 
     def _promote(self, seq: Sequence) -> int:
         t0 = time.perf_counter()
-        loaded = self.manager.promote(seq.block_hashes, seq.num_tokens, self._load_block)
+        loaded = self.manager.promote(seq.block_hashes, seq.num_tokens, self._load_block,
+                                      seq.tenant, seq.public_blocks)
         timing = self._timing.get(seq.request_id) if seq.index == 0 else None
         if loaded and timing is not None:
             timing.load_s += time.perf_counter() - t0
@@ -230,18 +255,21 @@ class EngineCore:
         need = chain.plan_prefetch(rest, self.block_size, self._prefill_tps)
         remote_keys = rest[chain.local_end(rest):] if chain.remote is not None else []
         return chain.prefetch(request_id, need, also_wait_for=rest, remote_keys=remote_keys,
-                              block_tokens=self.block_size, prefill_tokens_per_s=self._prefill_tps)
+                              block_tokens=self.block_size, prefill_tokens_per_s=self._prefill_tps,
+                              owner=seq.tenant)
 
     def _write_through(self, work: list[ScheduledSeq]) -> None:
         """Send the blocks this step filled to the remote tier (write-through mode)."""
         assert self.chain is not None
-        items = []
+        by_owner: dict[str, list[tuple[bytes, bytes]]] = {}
         for s in work:
             lo, hi = s.start // self.block_size, (s.start + s.num_new) // self.block_size
-            for block in self.manager.blocks(s.seq.seq_id)[lo:hi]:
+            for i, block in enumerate(self.manager.blocks(s.seq.seq_id)[lo:hi], lo):
                 if block.block_hash is not None:
-                    items.append((block.block_hash, self.storage.read_block(block.block_id)))
-        self.chain.write_remote(items)
+                    owner = PUBLIC if i < s.seq.public_blocks else s.seq.tenant
+                    by_owner.setdefault(owner, []).append((block.block_hash, self.storage.read_block(block.block_id)))
+        for owner, items in by_owner.items():
+            self.chain.write_remote(items, owner)
 
     def poll_loads(self) -> int:
         """Admit the requests whose disk loads finished; returns how many."""
@@ -281,7 +309,9 @@ class EngineCore:
             return
         if chain.disk is not None and self.config.flush_on_shutdown_s > 0:
             storage = self.storage
-            blocks = [(h, lambda b=b: storage.read_block(b.block_id)) for h, b in self.manager.pool.cached_blocks()]
+            ledger = self.manager.pool.ledger
+            blocks = [(h, lambda b=b: storage.read_block(b.block_id), ledger.owner_of(h) or UNKNOWN)
+                      for h, b in self.manager.pool.cached_blocks()]
             written = chain.flush(blocks, self.config.flush_on_shutdown_s)
             chain.drain_writes(self.config.flush_on_shutdown_s)
             logger.info("cache tiers flushed %d blocks to disk", written)
@@ -298,6 +328,9 @@ class EngineCore:
         if request.request_id in self._requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
         params = request.params
+        if request.tenant and (request.quota or request.tenant in self._quotas):
+            self._quotas[request.tenant] = (dict(request.quota), request.namespace_salt)
+            self._apply_quota(request.tenant)
         t0 = time.perf_counter()
         timing = RequestTiming(added=t0)
         root = root_hash(request.namespace_salt, self.fingerprint, request.cache_salt)
@@ -519,6 +552,7 @@ class EngineCore:
                 "lookups": pc.lookups, "query_tokens": pc.query_tokens, "hit_tokens": pc.hit_tokens,
                 "lookup_time_s": pc.lookup_time_s, "evictions": pool.stats.evictions,
                 "block_hits": pool.stats.cache_hits, "allocations": pool.stats.allocations,
+                "quota": pool.ledger.snapshot(),
             },
             "preemptions": self.scheduler.num_preemptions,
             "preemptions_by_reason": dict(self.scheduler.preemptions_by_reason),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -28,6 +29,7 @@ class GenerateRequest:
     tenant: str = ""
     public_prefix_len: int = 0  # leading prompt tokens that are a declared public prefix
     public_salt: bytes = b""  # the public namespace's salt (hashes those tokens' full blocks)
+    quota: Mapping[str, int] = field(default_factory=dict)  # tenant's block quota per tier (cache.quota)
 
 
 @dataclass(slots=True)

@@ -206,7 +206,8 @@ class Scheduler:
                 hits, num_cached = self.manager.get_computed_blocks(seq.block_hashes, seq.num_tokens)
             num_new = min(seq.num_tokens - num_cached, budget)
             new = self.manager.allocate_slots(
-                seq.seq_id, num_new, num_cached, hits, seq.block_hashes, seq.token_ids)
+                seq.seq_id, num_new, num_cached, hits, seq.block_hashes, seq.token_ids,
+                seq.tenant, seq.public_blocks)
             if new is None:
                 break
             self.waiting.pop_head(seq.tenant)
@@ -388,7 +389,8 @@ class Scheduler:
     # ---- bookkeeping ------------------------------------------------------------------------
     def _allocate(self, seq: Sequence, num_new: int) -> bool:
         new = self.manager.allocate_slots(
-            seq.seq_id, num_new, seq.num_computed_tokens, (), seq.block_hashes, seq.token_ids)
+            seq.seq_id, num_new, seq.num_computed_tokens, (), seq.block_hashes, seq.token_ids,
+            seq.tenant, seq.public_blocks)
         return new is not None
 
     def _preempt(self, seq: Sequence, reason: str) -> None:

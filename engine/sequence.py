@@ -64,6 +64,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def public_blocks(self) -> int:
+        """Leading blocks hashed in the public namespace (a declared public prefix)."""
+        return self.switch[0] if self.switch is not None else 0
+
     def update_block_hashes(self) -> None:
         extend_block_hashes(self.block_hashes, self.root_hash, self.token_ids, self.block_size, self.switch)
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from cache.quota import UNKNOWN
 from cache.telemetry import OpTimes
 from cache.tiers.disk import DiskTier
 from cache.tiers.host import HostTier
@@ -115,6 +116,8 @@ class TierChain:
         self._jobs: set[Hashable] = set()
         self._job_started: dict[Hashable, float] = {}
         self._staged: dict[bytes, bytes | memoryview] = {}  # loads waiting for a host slot when host is off
+        self._owners: dict[bytes, str] = {}  # whom a block being loaded is for (step-loop view)
+        self._job_keys: dict[Hashable, list[bytes]] = {}
         self._remote_sent: OrderedDict[bytes, None] = OrderedDict()  # recently written to remote
         # issue-to-done vs transfer time per kind of operation (gap metric 3)
         self.ops = {kind: OpTimes() for kind in ("prefetch", "disk_read", "disk_write", "remote_put")}
@@ -130,22 +133,22 @@ class TierChain:
         return self.remote is not None and self.remote_write == "through"
 
     # ---- demotion (step loop) -----------------------------------------------------------------
-    def demote(self, key: bytes, src: torch.Tensor) -> None:
-        """A device block is being evicted: keep its bytes in the next tier down."""
+    def demote(self, key: bytes, src: torch.Tensor, owner: str = UNKNOWN) -> None:
+        """A device block of ``owner`` is being evicted: keep its bytes in the next tier down."""
         self.stats.demotions += 1
         if self.host is not None:
-            for victim, payload in self.host.put(key, src):
-                self._write(victim, payload)
+            for victim, payload, victim_owner in self.host.put(key, src, owner):
+                self._write(victim, payload, victim_owner)
         elif self.disk is not None or self.remote is not None:
-            self._write(key, src.cpu().numpy().tobytes())
+            self._write(key, src.cpu().numpy().tobytes(), owner)
 
-    def _write(self, key: bytes, payload: bytes) -> None:
+    def _write(self, key: bytes, payload: bytes, owner: str = UNKNOWN) -> None:
         """A block leaves host memory: to disk, and to the remote tier when it writes back."""
         if self.remote is not None and self.remote_write == "back":
-            self.write_remote([(key, payload)])
-        if self.disk is None or self.io is None or not self._reserve_write(1):
+            self.write_remote([(key, payload)], owner)
+        if self.disk is None or self.io is None or not self.disk.ledger.admits(owner) or not self._reserve_write(1):
             return
-        coro = self._timed("disk_write", self.disk.write(key, payload), time.perf_counter())
+        coro = self._timed("disk_write", self.disk.write(key, payload, owner), time.perf_counter())
         self.io.submit(coro).add_done_callback(self._write_done)
 
     async def _timed(self, kind: str, coro: Any, issued: float) -> Any:
@@ -172,8 +175,9 @@ class TierChain:
         if not future.cancelled() and future.exception() is not None:
             logger.error("disk cache write failed: %s", future.exception())
 
-    def write_remote(self, items: list[tuple[bytes, bytes]]) -> None:
-        """Send blocks to the remote tier in one pipeline (dropped and counted past the bound)."""
+    def write_remote(self, items: list[tuple[bytes, bytes]], owner: str = UNKNOWN) -> None:
+        """Send ``owner``'s blocks to the remote tier in one pipeline (dropped and counted past
+        the bound)."""
         if self.remote is None or self.io is None or not items:
             return
         fresh = [(k, p) for k, p in items if k not in self._remote_sent]
@@ -183,7 +187,7 @@ class TierChain:
             self._remote_sent[key] = None
             if len(self._remote_sent) > 65536:
                 self._remote_sent.popitem(last=False)
-        coro = self._timed("remote_put", self.remote.put(fresh), time.perf_counter())
+        coro = self._timed("remote_put", self.remote.put(fresh, owner), time.perf_counter())
         self.io.submit(coro).add_done_callback(self._write_done)
 
     @property
@@ -240,9 +244,10 @@ class TierChain:
 
     def prefetch(self, token: Hashable, keys: list[bytes], also_wait_for: Iterable[bytes] = (),
                  remote_keys: Iterable[bytes] = (), block_tokens: int = 16,
-                 prefill_tokens_per_s: float | None = None) -> bool:
+                 prefill_tokens_per_s: float | None = None, owner: str = UNKNOWN) -> bool:
         """Start loading ``keys`` from disk (and look up ``remote_keys`` in the remote tier);
-        ``poll`` releases ``token`` once everything it waits for has arrived.
+        ``poll`` releases ``token`` once everything it waits for has arrived. Blocks it brings
+        into host memory are held there for ``owner``.
 
         Returns False when there is nothing to wait for.
         """
@@ -252,6 +257,9 @@ class TierChain:
             return False
         assert self.io is not None
         self._inflight.update(keys)
+        for key in (*keys, *remote):
+            self._owners.setdefault(key, owner)
+        self._job_keys[token] = [*keys, *remote]
         self._jobs.add(token)
         self._job_started[token] = time.monotonic()
         self.io.submit(self._job(token, list(keys), waits, remote, block_tokens, prefill_tokens_per_s,
@@ -332,6 +340,8 @@ class TierChain:
             except queue.Empty:
                 break
             if kind == "done":
+                for key in self._job_keys.pop(item, ()):
+                    self._owners.pop(key, None)
                 if item in self._jobs:
                     self._jobs.discard(item)
                     ready.append(item)
@@ -349,8 +359,8 @@ class TierChain:
                 continue
             self.stats.prefetched_blocks += 1
             if self.host is not None:
-                for victim, evicted in self.host.put_bytes(key, payload):
-                    self._write(victim, evicted)
+                for victim, evicted, victim_owner in self.host.put_bytes(key, payload, self._owners.get(key, UNKNOWN)):
+                    self._write(victim, evicted, victim_owner)
             else:
                 self._staged[key] = payload
         return ready
@@ -397,24 +407,28 @@ class TierChain:
             pass
 
     # ---- shutdown ---------------------------------------------------------------------------
-    def flush(self, blocks: Iterable[tuple[bytes, Callable[[], bytes]]], timeout_s: float) -> int:
-        """Write host blocks and the given device blocks (key, payload getter) to disk, waiting up to
-        ``timeout_s``; what is already there is skipped. Returns how many blocks were written."""
+    def flush(self, blocks: Iterable[tuple[Any, ...]], timeout_s: float) -> int:
+        """Write host blocks and the given device blocks ((key, payload getter) or (key, getter,
+        owner)) to disk, waiting up to ``timeout_s``; what is already there is skipped. Returns how
+        many blocks were written."""
         if self.disk is None or self.io is None:
             return 0
         deadline = time.monotonic() + timeout_s
         futures = []
-        sources: list[tuple[bytes, Callable[[], bytes | None]]] = list(blocks)
+        sources: list[tuple[bytes, Callable[[], bytes | None], str]] = [
+            (entry[0], entry[1], entry[2] if len(entry) > 2 else UNKNOWN) for entry in blocks]
         if self.host is not None:
-            sources += [(key, functools.partial(self.host.payload, key)) for key in self.host.keys()]
+            host = self.host
+            sources += [(key, functools.partial(host.payload, key), host.ledger.owner_of(key) or UNKNOWN)
+                        for key in host.keys()]
         seen: set[bytes] = set()
-        for key, get in sources:
+        for key, get, owner in sources:
             if key in seen or key in self.disk or time.monotonic() > deadline:
                 continue
             payload = get()
             if payload is not None:
                 seen.add(key)  # the device and the (inclusive) host may both hold it: write it once
-                futures.append(self.io.submit(self.disk.write(key, payload)))
+                futures.append(self.io.submit(self.disk.write(key, payload, owner)))
         written = 0
         for future in futures:
             try:
@@ -456,12 +470,17 @@ class TierChain:
             out[tier.name] = {**tier.stats.snapshot(), "blocks": len(tier), "capacity_blocks": tier.capacity_blocks,
                               "bytes": tier.nbytes, "policy": tier.policy_name,
                               "load_bytes_per_s": tier.rate.bytes_per_s, "load_latency_s": tier.rate.latency_s}
+        for tier in (self.host, self.disk):
+            if tier is not None:
+                out[tier.name]["quota"] = tier.ledger.snapshot()
         if self.disk is not None:
             out["disk"]["path"] = str(self.disk.dir)
         if self.remote is not None:
             out["remote"].update(url=self.remote.safe_url(), breaker=self.remote.breaker.state,
                                  breaker_trips=self.remote.breaker.trips, write=self.remote_write,
-                                 exists_checks=self.remote.exists_checks, exists_time_s=self.remote.exists_time_s)
+                                 exists_checks=self.remote.exists_checks, exists_time_s=self.remote.exists_time_s,
+                                 quota={"accounted_owners": self.remote.accounted_owners,
+                                        "quota_evictions": self.remote.quota_evictions})
         return out
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import aiofiles
 import aiofiles.os
 
+from cache.quota import UNKNOWN, QuotaLedger, pick_victim
 from cache.telemetry import BlockLife
 from cache.tiers.codec import HEADER_SIZE, BlockFormat, CorruptBlockError, decode, encode
 from cache.tiers.policy import make_policy
@@ -53,6 +54,8 @@ class DiskTier:
         self.life = BlockLife()  # written on the I/O loop (reads, writes, evictions)
         self._lock = threading.Lock()  # the index is read by the step loop, changed by the I/O loop
         self._index: set[bytes] = set()
+        # who wrote each block (files found at start: unknown); tenants' disk quotas
+        self.ledger = QuotaLedger(self.capacity_blocks)
         self._reserved = 0
         self._logged: set[str] = set()
         try:
@@ -101,6 +104,7 @@ class DiskTier:
         for _, key in entries:
             self._index.add(key)
             self.policy.insert(key)
+            self.ledger.add(key, UNKNOWN)
         while len(self._index) > self.capacity_blocks:
             self._drop(self.policy.evict())  # type: ignore[arg-type]
         if self._index:
@@ -109,6 +113,7 @@ class DiskTier:
 
     def _drop(self, key: bytes) -> None:
         self._index.discard(key)
+        self.ledger.remove(key)
         self.life.removed(key)
         _unlink(self.path_of(key))
         self.stats.evictions += 1
@@ -149,6 +154,7 @@ class DiskTier:
             return None
         with self._lock:
             self.policy.touch(key)
+            self.ledger.touch(key)
             self.life.accessed(key)
         self.stats.hits += 1
         self.stats.metadata_bytes += HEADER_SIZE
@@ -157,18 +163,22 @@ class DiskTier:
         self.stats.bytes_read += data.nbytes
         return payload
 
-    async def write(self, key: bytes, payload: bytes | memoryview) -> bool:
-        """Store a block atomically; True if it is on disk afterwards."""
+    async def write(self, key: bytes, payload: bytes | memoryview, owner: str = UNKNOWN) -> bool:
+        """Store a block atomically for ``owner``; True if it is on disk afterwards (False also for
+        an owner whose disk quota is 0)."""
         record = encode(self.fmt, key, payload)  # before reserving: a bad payload must not leak a slot
         with self._lock:
             if key in self._index:
                 self.policy.touch(key)
+                self.ledger.touch(key)
                 return True
-            while len(self._index) + self._reserved >= self.capacity_blocks:
+            if not self.ledger.admits(owner):
+                return False
+            while len(self._index) + self._reserved >= self.capacity_blocks or self.ledger.at_quota(owner):
                 if not self._index:  # every slot is taken by writes in flight
                     self.stats.dropped += 1
                     return False
-                self._drop(self.policy.evict())  # type: ignore[arg-type]
+                self._drop(pick_victim(self.policy, self.ledger, owner))  # type: ignore[arg-type]
             self._reserved += 1
         final = self.path_of(key)
         tmp = self.dir / f".{key.hex()[:16]}.{uuid.uuid4().hex[:8]}.tmp"
@@ -190,6 +200,7 @@ class DiskTier:
             self._reserved -= 1
             self._index.add(key)
             self.policy.insert(key)
+            self.ledger.add(key, owner)
             self.life.inserted(key)
         self.stats.puts += 1
         self.stats.metadata_bytes += HEADER_SIZE
@@ -204,6 +215,7 @@ class DiskTier:
                 return False
             self._index.discard(key)
             self.policy.remove(key)
+            self.ledger.remove(key)
             self.life.removed(key)
         _unlink(self.path_of(key))
         return True
@@ -213,6 +225,7 @@ class DiskTier:
             if key in self._index:
                 self._index.discard(key)
                 self.policy.remove(key)
+                self.ledger.remove(key)
                 self.life.removed(key)
 
     def _error(self, op: str, exc: OSError) -> None:
@@ -226,6 +239,7 @@ class DiskTier:
     def check_invariants(self) -> None:
         with self._lock:
             assert len(self.policy) == len(self._index)
+            assert len(self.ledger) == len(self._index)
             assert len(self._index) <= self.capacity_blocks
             on_disk = {p.name[:_HASH_HEX] for p in self.dir.glob("*" + SUFFIX)}  # foreign names too
             assert {k.hex() for k in self._index} <= on_disk, "index names files that do not exist"

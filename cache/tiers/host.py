@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
+from cache.quota import UNKNOWN, QuotaLedger, pick_victim
 from cache.telemetry import BlockLife
 from cache.tiers.policy import make_policy
 from cache.tiers.stats import RateEstimate, TierStats
@@ -35,6 +36,7 @@ class HostTier:
         self.stats = TierStats()
         self.rate = RateEstimate(bytes_per_s=5e9, latency_s=1e-5)
         self.life = BlockLife()
+        self.ledger = QuotaLedger(self.capacity_blocks)  # who holds what; tenants' host quotas
 
     def __len__(self) -> int:
         return len(self._index)
@@ -46,28 +48,34 @@ class HostTier:
     def nbytes(self) -> int:
         return len(self._index) * self.block_nbytes
 
-    def put(self, key: bytes, src: torch.Tensor) -> list[tuple[bytes, bytes]]:
-        """Copy a block in (``src``: its bytes as a flat uint8 tensor); returns evicted (key, bytes)."""
+    def put(self, key: bytes, src: torch.Tensor, owner: str = UNKNOWN) -> list[tuple[bytes, bytes, str]]:
+        """Copy a block in for ``owner`` (``src``: its bytes as a flat uint8 tensor); returns the
+        blocks that had to leave as (key, bytes, owner). A block whose owner has a host quota of 0
+        passes straight through (it is returned as if evicted)."""
         if key in self._index:
             self.policy.touch(key)
+            self.ledger.touch(key)
             return []
-        evicted = [] if self._free else [self._evict_one()]
+        if not self.ledger.admits(owner):
+            return [(key, src.cpu().numpy().tobytes(), owner)]
+        evicted = [self._evict_one(owner)] if not self._free or self.ledger.at_quota(owner) else []
         slot = self._free.pop()
         t0 = time.perf_counter()
         self.slots[slot].copy_(src)
         self.stats.write_time_s += time.perf_counter() - t0
         self._index[key] = slot
         self.policy.insert(key)
+        self.ledger.add(key, owner)
         self.life.inserted(key)
         self.stats.puts += 1
         self.stats.writes += 1
         self.stats.bytes_written += self.block_nbytes
         return evicted
 
-    def put_bytes(self, key: bytes, payload: bytes | memoryview) -> list[tuple[bytes, bytes]]:
+    def put_bytes(self, key: bytes, payload: bytes | memoryview, owner: str = UNKNOWN) -> list[tuple[bytes, bytes, str]]:
         view = memoryview(payload).cast("B")
         src = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8)
-        return self.put(key, src)
+        return self.put(key, src, owner)
 
     def load_into(self, key: bytes, dst: torch.Tensor) -> bool:
         """Copy a block out into ``dst`` (flat uint8, e.g. a device block); False on a miss."""
@@ -80,6 +88,7 @@ class HostTier:
         elapsed = time.perf_counter() - t0
         self.rate.observe(self.block_nbytes, elapsed)
         self.policy.touch(key)
+        self.ledger.touch(key)
         self.life.accessed(key)
         self.stats.hits += 1
         self.stats.reads += 1
@@ -96,6 +105,7 @@ class HostTier:
         if slot is None:
             return False
         self.policy.remove(key)
+        self.ledger.remove(key)
         self.life.removed(key)
         self._free.append(slot)
         return True
@@ -109,17 +119,18 @@ class HostTier:
     def keys(self) -> Iterator[bytes]:
         return iter(list(self._index))
 
-    def _evict_one(self) -> tuple[bytes, bytes]:
-        key = self.policy.evict()
+    def _evict_one(self, owner: str) -> tuple[bytes, bytes, str]:
+        key = pick_victim(self.policy, self.ledger, owner)
         slot = self._index.pop(key)  # type: ignore[call-overload]
         payload = self.slots[slot].numpy().tobytes()
         self._free.append(slot)
         self.life.removed(key)
         self.stats.evictions += 1
-        return key, payload  # type: ignore[return-value]
+        return key, payload, self.ledger.remove(key) or UNKNOWN  # type: ignore[return-value]
 
     def check_invariants(self) -> None:
         assert len(self._index) + len(self._free) == self.capacity_blocks
         assert len(set(self._index.values())) == len(self._index)
         assert not set(self._index.values()) & set(self._free)
         assert len(self.policy) == len(self._index), (len(self.policy), len(self._index))
+        assert len(self.ledger) == len(self._index), (len(self.ledger), len(self._index))

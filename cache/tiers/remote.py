@@ -81,6 +81,9 @@ class RemoteTier:
         self.life = BlockLife(max_tracked=65536)  # keys this replica wrote or read; Redis expires them itself
         self._client: Any = None
         self._logged = False
+        # owner → (opaque tag, quota in blocks or None): who is accounted in Redis (see `put`)
+        self._accounts: dict[str, tuple[str, int | None]] = {}
+        self.quota_evictions = 0
 
     def key(self, block_hash: bytes) -> str:
         return self.prefix + block_hash.hex()
@@ -198,8 +201,31 @@ class RemoteTier:
             await self._run(lambda pipe: [pipe.delete(self.key(k)) for k in bad])
         return out
 
-    async def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:
-        """Store blocks with the TTL (one pipeline); returns how many were sent successfully."""
+    def set_account(self, owner: str, tag: str, limit: int | None) -> None:
+        """Account ``owner``'s writes in Redis under ``tag`` (opaque: Redis never sees a tenant's
+        name), keeping at most ``limit`` of its blocks (None: count only)."""
+        self._accounts[owner] = (tag, limit)
+
+    @property
+    def accounted_owners(self) -> int:
+        return len(self._accounts)
+
+    def drop_account(self, owner: str) -> None:
+        self._accounts.pop(owner, None)
+
+    def account_key(self, tag: str) -> str:
+        return f"{self.prefix}owner:{tag}"
+
+    async def put(self, items: Sequence[tuple[bytes, bytes]], owner: str = "") -> int:
+        """Store blocks with the TTL (one pipeline); returns how many were sent successfully.
+
+        An accounted owner's block keys also go into a sorted set by write time, shared by every
+        replica on the store; past its quota its oldest blocks are deleted (a quota of 0 stores
+        nothing). Entries older than the TTL are trimmed from the set as their blocks expire.
+        """
+        account = self._accounts.get(owner)
+        if account is not None and account[1] == 0:
+            return 0
         if not items:
             return 0
         records = [(self.key(k), encode(self.fmt, k, payload)) for k, payload in items]
@@ -217,7 +243,25 @@ class RemoteTier:
         self.access.observe("put", len(items), sent)
         for key, _ in items:
             self.life.inserted(key)
+        if account is not None:
+            await self._account(account[0], account[1], [k for k, _ in records])
         return len(items)
+
+    async def _account(self, tag: str, limit: int | None, keys: list[str]) -> None:
+        zkey = self.account_key(tag)
+        now = time.time()
+        counted = await self._run(lambda pipe: [
+            pipe.zadd(zkey, dict.fromkeys(keys, now)),
+            pipe.zremrangebyscore(zkey, "-inf", now - self.ttl_s),
+            pipe.expire(zkey, self.ttl_s),
+            pipe.zcard(zkey)])
+        if counted is None or limit is None or counted[-1] <= limit:
+            return
+        popped = await self._run(lambda pipe: [pipe.zpopmin(zkey, counted[-1] - limit)])
+        victims = [member.decode() if isinstance(member, bytes) else member for member, _ in (popped or [[]])[0]]
+        if victims and await self._run(lambda pipe: [pipe.delete(v) for v in victims]) is not None:
+            self.quota_evictions += len(victims)
+            self.stats.evictions += len(victims)
 
     async def close(self) -> None:
         await self._reset()

@@ -91,12 +91,12 @@ def test_capacity_never_exceeded_and_eviction_returns_victim_bytes() -> None:
         assert tier.put(key(i), block(i)) == []
     assert load(tier, key(0)) is not None  # 0 becomes most recent; 1 is the LRU block
     evicted = tier.put(key(3), block(3))
-    assert evicted == [(key(1), block(1).numpy().tobytes())]
+    assert evicted == [(key(1), block(1).numpy().tobytes(), "")]
     assert len(tier) == 3 and key(1) not in tier
     for i in range(4, 20):
         evicted = tier.put(key(i), block(i))
         assert len(evicted) == 1
-        victim, payload = evicted[0]
+        victim, payload, _ = evicted[0]
         assert payload == block(int.from_bytes(victim, "big")).numpy().tobytes()
         assert victim not in tier
         assert len(tier) == tier.capacity_blocks == 3
@@ -172,7 +172,7 @@ class HostMachine(RuleBasedStateMachine):
             assert evicted == []
         else:
             assert len(evicted) == 1
-            victim, payload = evicted[0]
+            victim, payload, _ = evicted[0]
             assert victim in self.shadow and victim != k
             if self.policy == "lru":
                 assert victim == next(iter(self.shadow))
