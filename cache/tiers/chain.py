@@ -180,6 +180,9 @@ class TierChain:
         the bound)."""
         if self.remote is None or self.io is None or not items:
             return
+        deleted = self.remote.deleted
+        while deleted:  # a quota deleted them from the store: send them again when asked
+            self._remote_sent.pop(deleted.popleft(), None)
         fresh = [(k, p) for k, p in items if k not in self._remote_sent]
         if not fresh or not self._reserve_write(len(fresh)):
             return

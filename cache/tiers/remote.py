@@ -14,6 +14,7 @@ records are misses, deleted and counted.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Sequence
@@ -84,6 +85,8 @@ class RemoteTier:
         # owner → (opaque tag, quota in blocks or None): who is accounted in Redis (see `put`)
         self._accounts: dict[str, tuple[str, int | None]] = {}
         self.quota_evictions = 0
+        # block hashes a quota deleted (I/O loop appends, step loop drains: the chain forgets it sent them)
+        self.deleted: collections.deque[bytes] = collections.deque(maxlen=65536)
 
     def key(self, block_hash: bytes) -> str:
         return self.prefix + block_hash.hex()
@@ -262,6 +265,7 @@ class RemoteTier:
         if victims and await self._run(lambda pipe: [pipe.delete(v) for v in victims]) is not None:
             self.quota_evictions += len(victims)
             self.stats.evictions += len(victims)
+            self.deleted.extend(bytes.fromhex(v[len(self.prefix):]) for v in victims if v.startswith(self.prefix))
 
     async def close(self) -> None:
         await self._reset()
