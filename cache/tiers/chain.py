@@ -180,9 +180,9 @@ class TierChain:
         the bound)."""
         if self.remote is None or self.io is None or not items:
             return
-        deleted = self.remote.deleted
-        while deleted:  # a quota deleted them from the store: send them again when asked
-            self._remote_sent.pop(deleted.popleft(), None)
+        unstored = self.remote.unstored
+        while unstored:  # a write failed or a quota deleted them: send them again when asked
+            self._remote_sent.pop(unstored.popleft(), None)
         fresh = [(k, p) for k, p in items if k not in self._remote_sent]
         if not fresh or not self._reserve_write(len(fresh)):
             return

@@ -86,7 +86,7 @@ class RemoteTier:
         self._accounts: dict[str, tuple[str, int | None]] = {}
         self.quota_evictions = 0
         # block hashes a quota deleted (I/O loop appends, step loop drains: the chain forgets it sent them)
-        self.deleted: collections.deque[bytes] = collections.deque(maxlen=65536)
+        self.unstored: collections.deque[bytes] = collections.deque(maxlen=65536)
 
     def key(self, block_hash: bytes) -> str:
         return self.prefix + block_hash.hex()
@@ -236,6 +236,7 @@ class RemoteTier:
         result = await self._run(lambda pipe: [pipe.set(k, v, ex=self.ttl_s) for k, v in records])
         if result is None:
             self.stats.dropped += len(items)
+            self.unstored.extend(k for k, _ in items)
             return 0
         self.stats.puts += len(items)
         self.stats.writes += 1
@@ -265,7 +266,7 @@ class RemoteTier:
         if victims and await self._run(lambda pipe: [pipe.delete(v) for v in victims]) is not None:
             self.quota_evictions += len(victims)
             self.stats.evictions += len(victims)
-            self.deleted.extend(bytes.fromhex(v[len(self.prefix):]) for v in victims if v.startswith(self.prefix))
+            self.unstored.extend(bytes.fromhex(v[len(self.prefix):]) for v in victims if v.startswith(self.prefix))
 
     async def close(self) -> None:
         await self._reset()

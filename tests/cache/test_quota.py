@@ -228,7 +228,7 @@ def test_remote_quota_is_kept_in_redis_for_every_replica(redis_url, redis_server
             assert await b.put([(key(3), payload), (key(4), payload)], "noisy") == 2
             assert await a.exists([key(1), key(2), key(3), key(4), key(100)]) == [False, True, True, True, True]
             assert a.quota_evictions + b.quota_evictions == 1
-            assert [*a.deleted, *b.deleted] == [key(1)]  # the chain forgets it sent it: a later write resends
+            assert [*a.unstored, *b.unstored] == [key(1)]  # the chain forgets it sent it: a later write resends
             b.set_account("zero", "tagzero", 0)
             assert await b.put([(key(7), payload)], "zero") == 0
             assert await b.exists([key(7)]) == [False]

@@ -83,6 +83,7 @@ def test_a_dead_store_is_a_fast_miss_and_opens_the_breaker(tmp_path) -> None:
             assert await tier.put([(key(1), PAYLOAD)]) == 0
             assert time.monotonic() - t0 < 0.2  # open breaker: no connection attempt at all
             assert tier.stats.errors == 2 and tier.stats.dropped == 1
+            assert list(tier.unstored) == [key(1)]  # the chain will send it again once the store is back
         finally:
             await tier.close()
 
