@@ -52,6 +52,17 @@ class AuthenticationError(APIError):
         super().__init__(message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
+class RateLimitError(APIError):
+    """429 for a tenant over one of its limits (`tenants.limits`), with `Retry-After`."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message, code="rate_limit_exceeded",
+                         headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
+
+
 class NotFoundError(APIError):
     status_code = 404
 

@@ -27,6 +27,7 @@ from app.logging import AccessLogMiddleware, RequestCounters, configure_logging
 from app.public_prefixes import PrefixSpec, PublicPrefixStore
 from app.settings import Settings
 from engine.async_engine import AsyncEngine
+from tenants.limits import RateLimiter
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ def create_app(settings: Settings, engine: AsyncEngine | None = None,
     state.on_fatal = None  # set by the CLI: called with the exception if the model fails to load
     state.on_drained = None  # set by the CLI: called once the drain is over, to stop the HTTP server
     state.counters = RequestCounters()
+    state.limiter = RateLimiter()  # per-tenant rate and concurrency limits (tenants.limits)
     state.started_at = int(time.time())
     state.fingerprint = "fp_kvgate"
     install_exception_handlers(app)

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request, Response
 
 from app.auth import CurrentTenant, Engine
-from app.errors import ModelNotFoundError
+from app.errors import ModelNotFoundError, RateLimitError
 from app.prompts import builder_of, check_fanout
 from app.protocol import (
     ChatChoice,
@@ -36,6 +36,7 @@ from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.outputs import GenerateRequest
 from engine.sampling_params import SamplingParams
+from tenants.limits import Refusal
 from tenants.public import PublicPrefixes
 from tenants.registry import Tenant
 
@@ -71,7 +72,11 @@ async def create_completion(body: CompletionRequest, request: Request, tenant: C
                   prompt_param="prompt", public=public)
     if body.stream:
         return completion_stream(job, body.include_usage)
-    result = await _until_disconnect(request, _collect(job))
+    try:
+        result = await _until_disconnect(request, _collect(job))
+    finally:  # also when the collecting task was cancelled before it ever ran
+        job.abort()
+        job.release()
     if result is None:
         return Response(status_code=499)
     texts, finish, logprobs = result
@@ -96,7 +101,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                   body.cache_salt, prompt_param="messages", public=public)
     if body.stream:
         return chat_stream(job, body.include_usage)
-    result = await _until_disconnect(request, _collect(job))
+    try:
+        result = await _until_disconnect(request, _collect(job))
+    finally:  # also when the collecting task was cancelled before it ever ran
+        job.abort()
+        job.release()
     if result is None:
         return Response(status_code=499)
     texts, finish, logprobs = result
@@ -138,6 +147,10 @@ def _submit(request: Request, engine: AsyncEngine, job_id: str, prompts: list[li
     """
     request_ids = [job_id] if len(prompts) == 1 else [f"{job_id}-{i}" for i in range(len(prompts))]
     registry = request.app.state.registry
+    tokens = sum(len(p) + (s.max_tokens or 0) * s.n for p, s in zip(prompts, params, strict=True))
+    slot = request.app.state.limiter.acquire(tenant.name, tenant.limits, tokens)
+    if isinstance(slot, Refusal):
+        raise RateLimitError(slot.message, slot.retry_after_s)
     try:
         streams = engine.add_requests([
             GenerateRequest(request_id=request_id, prompt_token_ids=prompt, params=sampling,
@@ -146,13 +159,17 @@ def _submit(request: Request, engine: AsyncEngine, job_id: str, prompts: list[li
                             public_salt=registry.public_salt, quota=tenant.quota)
             for request_id, prompt, sampling in zip(request_ids, prompts, params, strict=True)])
     except InvalidRequestError as exc:
+        slot.release()
         if exc.param == "prompt":
             exc.param = prompt_param
+        raise
+    except BaseException:
+        slot.release()
         raise
     return Job(id=job_id, model=engine.model_name, fingerprint=request.app.state.fingerprint,
                engine=engine, tokenizer=engine.tokenizer, request_ids=request_ids, streams=streams,
                n=params[0].n, state=request.state,
-               on_done=trace_recorder(request, prompts, tenant.salt, cache_salt))
+               on_done=trace_recorder(request, prompts, tenant.salt, cache_salt), slot=slot)
 
 
 async def _collect(job: Job) -> tuple[list[list[str]], list[Any], list[Any]]:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.config import EngineConfig
+from tenants.limits import TenantLimits
 from tenants.public import check_name
 from tenants.registry import TenantRegistry, TenantSpec, load_server_secret
 
@@ -124,11 +125,21 @@ class QuotaSettings(_Section):
     remote: int | None = Field(default=None, ge=0)
 
 
+class RateSettings(_Section):
+    """`rate = { requests_per_s, burst, tokens_per_min }` of a tenant (each optional)."""
+
+    requests_per_s: float | None = Field(default=None, gt=0)
+    burst: int | None = Field(default=None, gt=0)
+    tokens_per_min: int | None = Field(default=None, gt=0)
+
+
 class TenantSettings(_Section):
     name: str
     api_keys: list[str] = Field(repr=False)
     share_group: str = ""
     quota: QuotaSettings = QuotaSettings()
+    rate: RateSettings = RateSettings()
+    max_concurrent: int | None = Field(default=None, gt=0)
 
 
 class PublicPrefixSettings(_Section):
@@ -202,7 +213,9 @@ class Settings(_Section):
             secret = load_server_secret(self.server.secret, env)
             specs = [
                 TenantSpec(t.name, tuple(t.api_keys), t.share_group,
-                           {k: v for k, v in t.quota.model_dump().items() if v is not None})
+                           {k: v for k, v in t.quota.model_dump().items() if v is not None},
+                           TenantLimits(t.rate.requests_per_s, t.rate.burst, t.rate.tokens_per_min,
+                                        t.max_concurrent))
                 for t in self.tenants
             ]
             return TenantRegistry.build(specs, secret, self.admin.api_key)
@@ -259,10 +272,6 @@ def load_settings(config: str | os.PathLike[str] | None = None, overrides: Mappi
 
 
 def log_settings_warnings(settings: Settings) -> None:
-    """Warn about configured features this version accepts but does not run."""
-    quotas = [t.name for t in settings.tenants if any(v is not None for v in t.quota.model_dump().values())]
-    if quotas:
-        logger.warning("per-tenant block quotas are not enforced in this version; "
-                       "ignoring quotas of tenants=%s", ",".join(quotas))
+    """Warn about configurations that are accepted but probably not what was meant."""
     if settings.tenants and settings.admin.api_key is None:
         logger.warning("tenants are configured but [admin] api_key is not: /admin/* is locked")

@@ -65,6 +65,7 @@ class Job:
     completion_tokens: int = 0
     text_offsets: dict[int, int] = field(default_factory=dict)
     on_done: Callable[[Job], None] | None = None  # called once the outputs end (the request trace)
+    slot: Any = None  # the tenant's concurrency slot (tenants.limits.Slot), released when the job ends
     choice_tokens: list[int] = field(default_factory=list)
     _finished: list[bool] = field(default_factory=list)
 
@@ -82,6 +83,11 @@ class Job:
         for request_id, finished in zip(self.request_ids, self._finished, strict=True):
             if not finished:
                 self.engine.abort(request_id)
+
+    def release(self) -> None:
+        """Give the tenant's concurrency slot back (idempotent); the job's requests are over."""
+        if self.slot is not None:
+            self.slot.release()
 
     def output_tokens(self, index: int) -> int:
         """Tokens generated for prompt `index`: its longest choice."""
@@ -101,6 +107,7 @@ class Job:
                 yield index, out
         finally:
             self.abort()
+            self.release()
             self.state.usage = {"prompt_tokens": sum(self.prompt_tokens),
                                 "cached_tokens": sum(self.cached_tokens),
                                 "completion_tokens": self.completion_tokens}
@@ -275,6 +282,8 @@ class EventStreamResponse(StreamingResponse):
             if not getattr(self._job.state, "stream_complete", False):
                 self._job.state.disconnected = True
             await self._chunks.aclose()
+            self._job.abort()  # a stream that never started has run no `outputs()` cleanup
+            self._job.release()
 
 
 def completion_stream(job: Job, include_usage: bool) -> StreamingResponse:

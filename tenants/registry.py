@@ -31,6 +31,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tenants.limits import TenantLimits
+
 logger = logging.getLogger(__name__)
 
 ANONYMOUS = "anonymous"
@@ -43,10 +45,11 @@ _SALT_DOMAIN = b"kvgate-namespace-v1\x00"
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
-    """Who a request runs as: its name, KV namespace, namespace salt and per-tier block quotas.
+    """Who a request runs as: its name, KV namespace, namespace salt, per-tier block quotas and
+    admission limits.
 
     `quota` maps a tier name to the most blocks the tenant may hold there; a missing tier is
-    unlimited.
+    unlimited. `limits` are its request rate, token rate and concurrency (`tenants.limits`).
     """
 
     name: str
@@ -54,6 +57,7 @@ class Tenant:
     salt: bytes = field(repr=False)
     share_group: str = ""
     quota: Mapping[str, int] = field(default_factory=dict)
+    limits: TenantLimits = TenantLimits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,7 @@ class TenantSpec:
     api_keys: tuple[str, ...]
     share_group: str = ""
     quota: Mapping[str, int] = field(default_factory=dict)
+    limits: TenantLimits = TenantLimits()
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name) or self.name == ANONYMOUS:
@@ -166,7 +171,7 @@ class TenantRegistry:
                 raise ValueError(f"tenant {spec.name!r} is configured twice")
             namespace = f"group:{spec.share_group}" if spec.share_group else f"tenant:{spec.name}"
             tenant = Tenant(spec.name, namespace, namespace_salt(secret, namespace),
-                            spec.share_group, dict(spec.quota))
+                            spec.share_group, dict(spec.quota), spec.limits)
             tenants.append(tenant)
             for key in spec.api_keys:
                 digest = key_digest(key)
