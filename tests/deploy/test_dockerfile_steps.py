@@ -1,0 +1,182 @@
+"""The Dockerfile and the compose file, checked without a Docker engine (none on these machines).
+
+Statically: the Dockerfile is multi-stage on a slim Python base, installs with the README's own
+command, prepares the default model at build time, runs as a non-root user with a HEALTHCHECK on
+/health, an EXPOSEd port, the /data VOLUME and config from /config/kvgate.toml; the compose file
+is valid YAML with Redis (appendonly) and two replicas that share one config, hence one remote
+URL and one secret. Then `.ci/dockerfile-steps` runs the Dockerfile's steps in a fresh
+virtualenv and serves a completion from the result (slow: a full `pip install`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app.settings import load_settings
+from tests.app.conftest import ROOT
+
+DOCKERFILE = ROOT / "Dockerfile"
+COMPOSE = ROOT / "loadtest" / "docker-compose.yml"
+STEPS = ROOT / ".ci" / "dockerfile-steps"
+CLUSTER_SCRIPT = ROOT / "loadtest" / "redis_cluster.sh"
+
+
+def instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
+    """(KEYWORD, arguments) per instruction: continuations joined, comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        keyword, _, rest = (pending + stripped).partition(" ")
+        out.append((keyword.upper(), " ".join(rest.split())))
+        pending = ""
+    return out
+
+
+def stages() -> list[list[tuple[str, str]]]:
+    """The instructions of each build stage (from its FROM on)."""
+    found: list[list[tuple[str, str]]] = []
+    for keyword, rest in instructions():
+        if keyword == "FROM":
+            found.append([])
+        if found:
+            found[-1].append((keyword, rest))
+    return found
+
+
+def readme_install_command() -> str:
+    """The README's serve set-up without its last part (starting the server)."""
+    readme = (ROOT / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if "pip install -e ." in line and "kvgate serve" in line)
+    parts = [part.strip() for part in line.split("&&")]
+    assert parts[-1].endswith("kvgate serve"), line
+    return " && ".join(parts[:-1])
+
+
+def test_dockerfile_is_multi_stage_on_a_slim_python_base_with_build_args() -> None:
+    args = {rest.split("=", 1)[0]: rest.split("=", 1)[1] for kw, rest in instructions()[:2] if kw == "ARG"}
+    assert args["BASE_IMAGE"] == "python:3.11-slim"
+    assert args["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
+    froms = [rest for kw, rest in instructions() if kw == "FROM"]
+    assert len(froms) >= 2 and froms[0].startswith("${BASE_IMAGE}")
+    assert "COPY --from=build /app /app" in [f"{kw} {rest}" for kw, rest in stages()[-1]]
+
+
+def test_dockerfile_installs_with_the_readme_command_and_prepares_the_default_model() -> None:
+    runs = [rest for kw, rest in instructions() if kw == "RUN"]
+    command = readme_install_command()
+    assert command == "python3 -m venv .venv && .venv/bin/pip install -e ."
+    assert any(run.endswith(command) for run in runs), runs
+    assert any("ensure_default_model()" in run for run in runs)
+    text = DOCKERFILE.read_text()
+    assert re.search(r"# steps: model\nRUN [^\n]*ensure_default_model\(\)", text), "mark the model step"
+    build_env = " ".join(rest for kw, rest in stages()[1] if kw == "ENV")
+    assert "PIP_EXTRA_INDEX_URL=${TORCH_INDEX}" in build_env
+
+
+def test_dockerfile_runtime_is_non_root_with_healthcheck_port_volume_and_config() -> None:
+    runtime = stages()[-1]
+    kinds = {kw: rest for kw, rest in runtime}
+    assert kinds["USER"] not in ("root", "0", "0:0") and not kinds["USER"].startswith("root")
+    health = kinds["HEALTHCHECK"]
+    exec_form = json.loads(health.split(" CMD ", 1)[1])
+    assert exec_form[:2] == ["python3", "-c"] and "/health" in exec_form[2] and "curl" not in health
+    assert kinds["EXPOSE"] == "8000"
+    assert "/data" in json.loads(kinds["VOLUME"])
+    env = " ".join(rest for kw, rest in runtime if kw == "ENV")
+    assert "KVGATE_CONFIG=/config/kvgate.toml" in env and "KVGATE_CACHE_DIR=/data" in env
+    assert json.loads(kinds["CMD"]) == ["kvgate", "serve", "--host", "0.0.0.0"]
+
+
+def test_dockerignore_lets_exactly_the_copied_sources_through() -> None:
+    allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.startswith("!")}
+    copied = set()
+    for keyword, rest in instructions():
+        if keyword == "COPY" and "--from=" not in rest:
+            copied.update(rest.split()[:-1])
+    assert copied == allowed
+    assert all((ROOT / name).exists() for name in copied)
+
+
+def test_compose_runs_redis_with_persistence_and_two_replicas_on_one_remote() -> None:
+    compose = yaml.safe_load(COMPOSE.read_text())
+    services = compose["services"]
+    redis = services["redis"]
+    command = redis["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert any(volume.endswith(":/data") for volume in redis["volumes"])
+    replicas = {name: spec for name, spec in services.items() if name != "redis"}
+    assert sorted(replicas) == ["kvgate-a", "kvgate-b"]
+    assert sorted(spec["ports"][0] for spec in replicas.values()) == ["8001:8000", "8002:8000"]
+    configs = set()
+    for spec in replicas.values():
+        assert (COMPOSE.parent / spec["build"]["context"] / spec["build"]["dockerfile"]).resolve() == DOCKERFILE
+        assert spec["depends_on"]["redis"]["condition"] == "service_healthy"
+        mounts = {target: source for source, target, *_ in (volume.split(":") for volume in spec["volumes"])}
+        configs.add(mounts["/config/kvgate.toml"])
+        assert spec["environment"]["KVGATE_CONFIG"] == "/config/kvgate.toml"
+    assert len(configs) == 1, "both replicas read one config: one remote URL, one set of tenants"
+    data_volumes = [next(v for v in spec["volumes"] if v.endswith(":/data")) for spec in replicas.values()]
+    assert len(set(data_volumes)) == 2, "each replica has its own disk tier"
+    secrets = {spec["environment"]["KVGATE_SECRET"] for spec in replicas.values()}
+    assert len(secrets) == 1, "one secret: tenant namespaces must agree across replicas"
+
+    settings = load_settings(COMPOSE.parent / configs.pop(), env={"KVGATE_SECRET": "x" * 32})
+    remote = settings.cache.remote
+    assert remote is not None and remote.url.startswith("redis://redis:6379") and remote.write == "through"
+    assert len(settings.tenants) == 2 and settings.admin.api_key
+
+
+@pytest.mark.parametrize("script", [STEPS, CLUSTER_SCRIPT], ids=lambda p: p.name)
+def test_scripts_are_executable_and_answer_help(script: Path) -> None:
+    assert os.access(script, os.X_OK)
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and result.stdout.startswith("usage:"), result.stderr
+    bad = subprocess.run([str(script), "--no-such-option"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "--help" in bad.stderr
+
+
+def test_dockerfile_steps_lists_what_it_would_run() -> None:
+    result = subprocess.run([str(STEPS), "--list"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("[model]") and "ensure_default_model" in line for line in lines)
+    assert any(line.startswith("[docker-only]") and "useradd" in line for line in lines)
+    assert any(line.startswith("[-]") and readme_install_command() in line for line in lines)
+
+
+@pytest.mark.slow
+def test_dockerfile_steps_give_a_working_server(tmp_path: Path) -> None:
+    """Fresh venv, the README's install, the tiny model, HEALTHCHECK, one completion, SIGTERM → 0.
+
+    `TORCH_INDEX=` leaves pip's own index configuration in charge (CI has PyPI, not
+    download.pytorch.org); the image's default-model step is skipped by `--model tiny`.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    env["TMPDIR"] = str(tmp_path)
+    proc = subprocess.Popen([str(STEPS), "--model", "tiny", "--build-arg", "TORCH_INDEX="], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:  # timed out: the script, its pip and its server are one process group
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-6000:]
+    assert "HEALTHCHECK passed" in output and "completion from tiny" in output
+    assert "skipped (--model tiny)" in output and "OK: the Dockerfile's steps give a working server" in output
+    assert not list(tmp_path.glob("kvgate-dockerfile-steps.*")), "the script removes its folder"
