@@ -126,11 +126,15 @@ class QuotaSettings(_Section):
 
 
 class RateSettings(_Section):
-    """`rate = { requests_per_s, burst, tokens_per_min }` of a tenant (each optional)."""
+    """`rate = { requests_per_s, burst, tokens_per_min }` of a tenant (each optional, absent = unlimited).
 
-    requests_per_s: float | None = Field(default=None, gt=0)
-    burst: int | None = Field(default=None, gt=0)
-    tokens_per_min: int | None = Field(default=None, gt=0)
+    `burst` (default: `requests_per_s` rounded up) is how many requests may arrive at once;
+    `tokens_per_min` counts each request's prompt tokens plus `max_tokens × n` at admission.
+    """
+
+    requests_per_s: float | None = Field(default=None, gt=0, strict=True, allow_inf_nan=False)
+    burst: int | None = Field(default=None, gt=0, strict=True)
+    tokens_per_min: int | None = Field(default=None, gt=0, strict=True)
 
 
 class TenantSettings(_Section):
@@ -139,7 +143,13 @@ class TenantSettings(_Section):
     share_group: str = ""
     quota: QuotaSettings = QuotaSettings()
     rate: RateSettings = RateSettings()
-    max_concurrent: int | None = Field(default=None, gt=0)
+    max_concurrent: int | None = Field(default=None, gt=0, strict=True)  # requests in flight, streams included
+
+    @model_validator(mode="after")
+    def _burst_needs_a_rate(self) -> TenantSettings:
+        if self.rate.burst is not None and self.rate.requests_per_s is None:
+            raise ValueError(f"tenant {self.name!r}: rate.burst needs rate.requests_per_s")
+        return self
 
 
 class PublicPrefixSettings(_Section):
@@ -223,17 +233,29 @@ class Settings(_Section):
             raise ConfigError(f"invalid tenants configuration: {exc}") from exc
 
 
-def _format_errors(exc: ValidationError) -> str:
+def _format_errors(exc: ValidationError, data: Mapping[str, Any] | None = None) -> str:
     lines = []
     for error in exc.errors():
         key = ""
         for part in error["loc"]:
             key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else str(part))
+        where = _entry_name(data, error["loc"])
         if error["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{key}'")
+            lines.append(f"unknown key '{key}'{where}")
         else:
-            lines.append(f"'{key}': {error['msg']}")
+            lines.append(f"'{key}'{where}: {error['msg']}")
     return "; ".join(lines)
+
+
+def _entry_name(data: Mapping[str, Any] | None, loc: tuple[Any, ...]) -> str:
+    """` (tenant 'acme')` for an error inside a named `[[tenants]]` entry, so the message names it."""
+    if data is None or len(loc) < 3 or loc[0] != "tenants" or not isinstance(loc[1], int):
+        return ""
+    entries = data.get("tenants")
+    if not isinstance(entries, list) or not 0 <= loc[1] < len(entries) or not isinstance(entries[loc[1]], dict):
+        return ""
+    name = entries[loc[1]].get("name")
+    return f" (tenant {name!r})" if isinstance(name, str) else ""
 
 
 def load_settings(config: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None,
@@ -266,7 +288,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, overrides: Mappi
         settings = Settings.model_validate(data)
     except ValidationError as exc:
         where = f" in {path}" if path is not None else ""
-        raise ConfigError(f"invalid configuration{where}: {_format_errors(exc)}") from exc
+        raise ConfigError(f"invalid configuration{where}: {_format_errors(exc, data)}") from exc
     settings.engine_config()  # surface engine-level errors at load time
     return settings
 

@@ -10,6 +10,12 @@ to the next request. Everything runs on the event loop: no locks.
 
     bucket: capacity = burst, refilled at `rate` per second; a request takes 1 (or its tokens)
     t=0  ●●●●● (burst 5)  → five requests admitted at once, the sixth waits 1/rate s
+
+The token bucket holds `tokens_per_min` tokens and refills at `tokens_per_min / 60` per second. A
+request counts its prompt tokens plus `max_tokens × n` (its most possible output), taken when it
+is admitted and never given back. One request costing more than a whole minute's budget waits for
+a full bucket and then empties it, so it is slow but never refused forever. Concurrency is checked
+first, then requests, then tokens; a refused request takes nothing from any bucket.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ class TenantLimits:
     def __post_init__(self) -> None:
         for name in ("requests_per_s", "burst", "tokens_per_min", "max_concurrent"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not value > 0):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or not value > 0):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if self.burst is not None and self.requests_per_s is None:
             raise ValueError("burst needs requests_per_s")
@@ -51,14 +58,19 @@ class TokenBucket:
         self.rate, self.capacity = rate, capacity
         self.level, self.stamp = capacity, now
 
-    def configure(self, rate: float, capacity: float) -> None:
+    def configure(self, rate: float, capacity: float, now: float) -> None:
+        """New limits (a reload): what was refilled so far at the old rate is kept, up to `capacity`."""
+        self._refill(now)
         self.rate, self.capacity = rate, capacity
         self.level = min(self.level, capacity)
 
+    def _refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + max(0.0, now - self.stamp) * self.rate)
+        self.stamp = max(self.stamp, now)
+
     def wait(self, amount: float, now: float) -> float:
         """Seconds until `amount` is available (0.0 = now); takes nothing."""
-        self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
-        self.stamp = now
+        self._refill(now)
         missing = min(amount, self.capacity) - self.level  # more than capacity: wait for a full bucket
         return 0.0 if missing <= 0 else missing / self.rate
 
@@ -150,5 +162,5 @@ class RateLimiter:
             bucket = TokenBucket(rate, capacity, now)
             setattr(state, name, bucket)
         elif (bucket.rate, bucket.capacity) != (rate, capacity):
-            bucket.configure(rate, capacity)
+            bucket.configure(rate, capacity, now)
         return bucket

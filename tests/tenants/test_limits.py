@@ -82,8 +82,62 @@ def test_new_limits_apply_to_the_next_request_and_state_survives() -> None:
     assert isinstance(limiter.acquire("a", TenantLimits()), Slot)
 
 
+def test_a_reload_keeps_what_was_refilled_at_the_old_rate() -> None:
+    clock = Clock()
+    limiter = RateLimiter(clock)
+    fast, slow = TenantLimits(requests_per_s=1.0, burst=2), TenantLimits(requests_per_s=0.1, burst=2)
+    assert all(isinstance(limiter.acquire("a", fast), Slot) for _ in range(2))
+    clock.now += 0.5  # half a request refilled at 1/s
+    refused = limiter.acquire("a", slow)
+    assert isinstance(refused, Refusal) and refused.retry_after_s == pytest.approx(5.0)  # the other half at 0.1/s
+
+
+def test_a_request_bigger_than_the_token_budget_waits_for_a_full_bucket() -> None:
+    clock = Clock()
+    limiter = RateLimiter(clock)
+    limits = TenantLimits(tokens_per_min=60)  # 1 token per second
+    assert isinstance(limiter.acquire("a", limits, tokens=100), Slot)  # a full bucket: admitted, emptied
+    refused = limiter.acquire("a", limits, tokens=100)
+    assert isinstance(refused, Refusal) and refused.retry_after_s == pytest.approx(60.0)
+    assert "60 tokens per minute" in refused.message
+    clock.now += 60
+    assert isinstance(limiter.acquire("a", limits, tokens=100), Slot)
+
+
+def test_a_refused_request_takes_nothing() -> None:
+    clock = Clock()
+    limiter = RateLimiter(clock)
+    limits = TenantLimits(requests_per_s=1.0, burst=1, tokens_per_min=60, max_concurrent=1)
+    first = limiter.acquire("a", limits, tokens=60)
+    assert isinstance(first, Slot)
+    busy = limiter.acquire("a", limits, tokens=1)
+    assert isinstance(busy, Refusal) and busy.limit == "max_concurrent" and busy.retry_after_s >= 1
+    first.release()
+    early = limiter.acquire("a", limits, tokens=1)
+    assert isinstance(early, Refusal) and early.limit == "requests_per_s"
+    assert early.retry_after_s == pytest.approx(1.0)
+    clock.now += 1  # one request and one token refilled
+    costly = limiter.acquire("a", limits, tokens=30)
+    assert isinstance(costly, Refusal) and costly.limit == "tokens_per_min"
+    assert costly.retry_after_s == pytest.approx(29.0)
+    assert isinstance(limiter.acquire("a", limits, tokens=1), Slot)  # the refusals took no request, no token
+    assert limiter.running("a") == 1
+
+
+def test_the_wait_is_never_zero() -> None:
+    clock = Clock()
+    limiter = RateLimiter(clock)
+    limits = TenantLimits(requests_per_s=1000.0, burst=1)
+    assert isinstance(limiter.acquire("a", limits), Slot)
+    clock.now += 0.000999
+    refused = limiter.acquire("a", limits)
+    assert isinstance(refused, Refusal) and 0 < refused.retry_after_s < 0.001
+    assert "Retry after 1 s" in refused.message
+
+
 @pytest.mark.parametrize("kwargs", [{"requests_per_s": 0}, {"requests_per_s": -1.0}, {"max_concurrent": 0},
-                                    {"tokens_per_min": True}, {"burst": 3}])
+                                    {"tokens_per_min": True}, {"burst": 3}, {"requests_per_s": float("inf")},
+                                    {"requests_per_s": float("nan")}, {"max_concurrent": "2"}])
 def test_invalid_limits_are_refused(kwargs) -> None:
     with pytest.raises(ValueError):
         TenantLimits(**kwargs)
