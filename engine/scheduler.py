@@ -6,7 +6,7 @@ then waiting ones while budget, sequence slots and KV blocks last. When a runnin
 cannot get a block, another running sequence is preempted: its blocks are freed (their cached
 prefix usually survives in the free queue) and it is recomputed later.
 
-Tenants (``Sequence.tenant``, "" for anonymous callers) share the engine by three rules, so that
+Tenants (``Sequence.tenant``, "" for anonymous callers) share the engine by four rules, so that
 one tenant's backlog delays another's request by a bounded number of steps:
 
 * Waiting order is round-robin over tenants, one sequence per turn, FIFO within a tenant; a
@@ -30,8 +30,13 @@ one tenant's backlog delays another's request by a bounded number of steps:
 * Block pressure while running: sequences are scheduled lightest tenant first (fewest running),
   so when blocks run out the heavy tenant's sequences are still unscheduled; the victim is the
   most recently admitted unscheduled sequence of the tenant holding the most blocks.
+* Newcomers first: when a tenant with nothing running has a sequence waiting while others are
+  running, that step admits only such idle tenants' sequences (their prefill runs alone, not
+  batched with the busy tenants' decodes and prefills); the next step schedules everyone. A
+  request from an idle tenant so waits for at most the step in progress plus its own prefill,
+  and the busy tenants lose at most every other step (never two in a row).
 
-With a single tenant all three reduce to the plain FIFO queue and newest-first preemption.
+With a single tenant all four reduce to the plain FIFO queue and newest-first preemption.
 """
 
 from __future__ import annotations
@@ -155,6 +160,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.preemptions_by_reason: dict[str, int] = dict.fromkeys(PREEMPTION_REASONS, 0)
         self.preemptions_by_tenant: dict[str, int] = {}
+        self._newcomer_step = False  # the previous step ran only newly arrived tenants' prefills
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -169,7 +175,14 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
         short_of_blocks = False
-        for seq in self._running_order():
+        busy = {s.tenant for s in self.running}
+        newcomers = not self._newcomer_step and bool(busy) and any(
+            t not in busy and t not in barred for t in self.waiting.tenants())
+        self._newcomer_step = newcomers
+        if newcomers:  # an idle tenant's prefill runs alone this step; the others go on next step
+            barred = barred | busy
+            favoured = [seq for seq in favoured if seq.tenant not in busy]
+        for seq in () if newcomers else self._running_order():
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted above to make room
