@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from app import routes_admin, routes_metrics, routes_openai, routes_trace
+from app import routes_admin, routes_dashboard, routes_metrics, routes_openai, routes_trace
 from app.api_docs import install_docs
 from app.errors import BodySizeLimitMiddleware, install_exception_handlers
 from app.logging import AccessLogMiddleware, RequestCounters, configure_logging
@@ -66,6 +66,7 @@ def create_app(settings: Settings, engine: AsyncEngine | None = None,
     app.include_router(routes_admin.router)
     app.include_router(routes_metrics.router)
     app.include_router(routes_trace.router)
+    app.include_router(routes_dashboard.router)
     install_docs(app, settings.server.docs_mode(has_tenants=bool(settings.tenants)))
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.server.max_body_bytes)
     app.add_middleware(AccessLogMiddleware, counters=state.counters)
