@@ -7,8 +7,11 @@ enforces the body size limit in a small ASGI middleware that never buffers more 
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import logging
 import math
+import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -170,6 +173,24 @@ def install_exception_handlers(app: FastAPI) -> None:
                               "server_error")
 
 
+TRIM_AFTER_BYTES = 1 << 20  # bodies this large are followed by a malloc_trim (see below)
+_LIBC: Any = None
+if sys.platform.startswith("linux"):
+    try:
+        _LIBC = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (e.g. musl): nothing to trim
+        _LIBC = None
+
+
+def release_freed_memory() -> bool:
+    """`malloc_trim(0)` where glibc is the allocator; False elsewhere."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
 class BodySizeLimitMiddleware:
     """Reject request bodies over `max_bytes` with 413 before the app reads them.
 
@@ -180,6 +201,7 @@ class BodySizeLimitMiddleware:
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self._trim: asyncio.TimerHandle | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
@@ -212,7 +234,22 @@ class BodySizeLimitMiddleware:
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            if size >= TRIM_AFTER_BYTES:
+                chunks.clear()
+                self._schedule_trim()
+
+    def _schedule_trim(self) -> None:
+        """Give the memory of large bodies back to the OS shortly after the last one is done.
+
+        CPython hands blocks this large to malloc, and glibc keeps what is freed in its arenas, so
+        without a trim a burst of multi-MB prompts leaves the process tens of MB larger for good.
+        """
+        if self._trim is not None:
+            self._trim.cancel()
+        self._trim = asyncio.get_running_loop().call_later(0.2, release_freed_memory)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"Request body too large: the limit is {self.max_bytes} bytes."
