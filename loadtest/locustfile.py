@@ -17,10 +17,11 @@ chat role chunk, sent before any token is computed, does not count). The prompt 
 counts from `usage.prompt_tokens_details.cached_tokens` are summed per workload; at the end the
 hit rates are printed and, with `--kv-report FILE`, written as JSON.
 
-Every `--kv-*` option also reads an environment variable (`KVGATE_KEYS`, `KVGATE_MODEL`, ...;
-loadtest/README.md lists them; locust's `--help` does not, it is printed before this file loads). All text is made of seeded
-pseudo-random words, so two runs with the same options send the same prompts in the same order
-per user.
+Every `--kv-*` option also reads an environment variable (`KVGATE_KEYS`, `KVGATE_MODEL`, ...).
+locust's own `--help` cannot list them (it is printed before this file loads):
+`python loadtest/locustfile.py` prints them, and loadtest/README.md has the table. All text is
+made of seeded pseudo-random words, so two runs with the same options send the same prompts in
+the same order per user.
 """
 
 from __future__ import annotations
@@ -402,3 +403,19 @@ class UniquePromptUser(KVGateUser):
     def ask(self) -> None:
         prompt = f"Request {self.number}.{self.sent} {make_words(self.rng, self.settings.unique_words)}"
         self.stream("/v1/completions", {"prompt": prompt})
+
+
+if __name__ == "__main__":  # `python loadtest/locustfile.py`: the --kv-* options, which locust --help omits
+    import argparse
+
+    class _OptionsParser(argparse.ArgumentParser):
+        def add_argument(self, *args: Any, env_var: str = "", is_secret: bool = False, **kwargs: Any) -> Any:
+            return super().add_argument(*args, **kwargs)
+
+    _parser = _OptionsParser(
+        prog="locust -f loadtest/locustfile.py",
+        description="KVGate's workload options (each also read from the environment variable named), "
+                    "on top of locust's own (`locust --help`). User classes: "
+                    + ", ".join(f"{cls} ({name})" for name, cls in WORKLOADS.items()) + ".")
+    _add_options(_parser)
+    _parser.print_help()

@@ -6,6 +6,7 @@ usage() {
   cat <<'EOF'
 usage: loadtest/redis_cluster.sh start DIR [PORT1 PORT2 PORT3]
        loadtest/redis_cluster.sh stop DIR
+       loadtest/redis_cluster.sh clean DIR
        loadtest/redis_cluster.sh status DIR
        loadtest/redis_cluster.sh -h|--help
 
@@ -16,7 +17,9 @@ start   starts three `redis-server --cluster-enabled yes` on 127.0.0.1 (default 
         cluster_state:ok on every node. A DIR that already holds the three nodes' nodes.conf is
         restarted as it was (no create). Prints the [cache.remote] lines for kvgate.toml.
 stop    stops the nodes whose redis.pid files are under DIR (SIGTERM, SIGKILL after 10 s);
-        DIR itself is left for the caller to remove
+        their folders stay, so `start DIR` restarts the same cluster
+clean   stop, then remove what start wrote (DIR/node-*, DIR/create.log) and DIR if it is then
+        empty; nothing else in DIR is touched
 status  prints `cluster info` of each node under DIR
 
 The nodes run with cluster-require-full-coverage no (the live nodes keep serving their slots
@@ -33,7 +36,7 @@ exit status: 0 ok; 1 a node did not start or the cluster did not reach cluster_s
 example:
   loadtest/redis_cluster.sh start /tmp/kvgate-cluster 7001 7002 7003
   kvgate serve --config kvgate.toml     # [cache.remote] url = "redis://127.0.0.1:7001", cluster = true
-  loadtest/redis_cluster.sh stop /tmp/kvgate-cluster && rm -rf /tmp/kvgate-cluster
+  loadtest/redis_cluster.sh clean /tmp/kvgate-cluster
 EOF
 }
 
@@ -88,6 +91,7 @@ cmd_start() {
   for port in "${ports[@]}"; do
     ! listening "$port" && ! listening $((port + 10000)) || fail "port $port or its bus port $((port + 10000)) is taken"
   done
+  trap 'cmd_stop "$dir" >/dev/null' EXIT  # a failed start leaves no node running
   for port in "${ports[@]}"; do start_node "$dir" "$port"; done
   for port in "${ports[@]}"; do wait_for "redis-server on port $port answering PING" pong "$port"; done
   if ((known < 3)); then
@@ -95,6 +99,7 @@ cmd_start() {
       > "$dir/create.log" 2>&1 || { cat "$dir/create.log" >&2; fail "redis-cli --cluster create failed"; }
   fi
   for port in "${ports[@]}"; do wait_for "cluster_state:ok on port $port" cluster_ok "$port"; done
+  trap - EXIT
   echo "Redis Cluster up on 127.0.0.1:${ports[0]} :${ports[1]} :${ports[2]} (folders in $dir)"
   echo "[cache.remote]"
   echo "url = \"redis://127.0.0.1:${ports[0]}\""
@@ -121,6 +126,17 @@ cmd_stop() {
   echo "stopped the nodes under $1"
 }
 
+cmd_clean() {
+  cmd_stop "$1"
+  local folder
+  local -a folders
+  mapfile -t folders < <(node_dirs "$1")
+  for folder in "${folders[@]}"; do rm -rf -- "$folder"; done
+  rm -f -- "$1/create.log"
+  rmdir -- "$1" 2>/dev/null || true
+  echo "removed the nodes' folders under $1"
+}
+
 cmd_status() {
   local folder port
   local -a folders
@@ -137,6 +153,7 @@ case $1 in
   -h|--help) usage ;;
   start) [[ $# -ge 2 ]] || die_usage "start needs DIR"; shift; cmd_start "$@" ;;
   stop) [[ $# -eq 2 ]] || die_usage "stop needs DIR"; cmd_stop "$2" ;;
+  clean) [[ $# -eq 2 ]] || die_usage "clean needs DIR"; cmd_clean "$2" ;;
   status) [[ $# -eq 2 ]] || die_usage "status needs DIR"; cmd_status "$2" ;;
   *) die_usage "unknown command: $1" ;;
 esac

@@ -2,10 +2,13 @@
 
 Statically: the Dockerfile is multi-stage on a slim Python base, installs with the README's own
 command, prepares the default model at build time, runs as a non-root user with a HEALTHCHECK on
-/health, an EXPOSEd port, the /data VOLUME and config from /config/kvgate.toml; the compose file
-is valid YAML with Redis (appendonly) and two replicas that share one config, hence one remote
-URL and one secret. Then `.ci/dockerfile-steps` runs the Dockerfile's steps in a fresh
-virtualenv and serves a completion from the result (slow: a full `pip install`).
+/health, an EXPOSEd port, the /data VOLUME and config from /config/kvgate.toml; only the apt-get
+and useradd lines are left to Docker; the compose file is valid YAML (and passes `docker compose
+config` where a Compose CLI is installed) with Redis (appendonly) and two replicas that share one
+config, hence one remote URL and one secret. Then `.ci/dockerfile-steps`, which reads the
+Dockerfile itself, runs its steps in a fresh virtualenv (a full `pip install -e .`, ~1 min) and
+serves a completion from the result with a config file where the image's KVGATE_CONFIG points;
+the test checks that every instruction of the Dockerfile was run or skipped as marked.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -54,6 +58,32 @@ def stages() -> list[list[tuple[str, str]]]:
             found.append([])
         if found:
             found[-1].append((keyword, rest))
+    return found
+
+
+def normalized(instruction: str) -> str:
+    return " ".join(instruction.split())
+
+
+def marked() -> dict[str, str]:
+    """Instruction (whitespace-normalized) -> its `# steps: X` marker, for the marked ones."""
+    found: dict[str, str] = {}
+    marker = ""
+    pending = ""
+    for line in DOCKERFILE.read_text().splitlines():
+        stripped = line.strip()
+        match = re.match(r"#\s*steps:\s*([a-z-]+)", stripped)
+        if match and not pending:
+            marker = match.group(1)
+        if not stripped or stripped.startswith("#"):
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        if marker:
+            found[normalized(pending + stripped)] = marker
+        pending = ""
+        marker = ""
     return found
 
 
@@ -150,33 +180,128 @@ def test_scripts_are_executable_and_answer_help(script: Path) -> None:
     assert bad.returncode == 2 and "--help" in bad.stderr
 
 
+def test_only_the_apt_and_useradd_steps_are_left_to_docker() -> None:
+    """`.ci/dockerfile-steps` skips what is marked `# steps: docker-only`: nothing but installing
+    python3 where the base lacks it and creating the user may be marked so, or the script would
+    stop testing the image's real install; `# steps: model` marks only the default model."""
+    marks = marked()
+    docker_only = [instruction for instruction, mark in marks.items() if mark == "docker-only"]
+    assert len(docker_only) == 2, docker_only
+    assert docker_only[0].startswith("RUN if ! python3 -c") and "apt-get install" in docker_only[0]
+    assert docker_only[1].startswith("RUN groupadd") and "useradd" in docker_only[1]
+    assert all("pip install" not in instruction for instruction in docker_only)
+    model = [instruction for instruction, mark in marks.items() if mark == "model"]
+    assert model == ['RUN .venv/bin/python -c "from engine.default_model import ensure_default_model; '
+                     'ensure_default_model()"']
+    assert set(marks.values()) == {"docker-only", "model"}
+
+
 def test_dockerfile_steps_lists_what_it_would_run() -> None:
+    """`--list` shows every instruction of the Dockerfile, in order, with its marker."""
     result = subprocess.run([str(STEPS), "--list"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert any(line.startswith("[model]") and "ensure_default_model" in line for line in lines)
-    assert any(line.startswith("[docker-only]") and "useradd" in line for line in lines)
-    assert any(line.startswith("[-]") and readme_install_command() in line for line in lines)
+    listed = []
+    for line in result.stdout.splitlines():
+        mark, _, instruction = line.partition("] ")
+        listed.append((mark.lstrip("["), normalized(instruction)))
+    marks = marked()
+    expected = [(marks.get(normalized(f"{kw} {rest}"), "-"), normalized(f"{kw} {rest}"))
+                for kw, rest in instructions()]
+    assert listed == expected
+    assert any(mark == "-" and readme_install_command() in instruction for mark, instruction in listed)
+
+
+def compose_cli() -> list[str] | None:
+    """`docker compose` (v2 plugin) or `docker-compose` (v1), whichever works without a daemon."""
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+def test_compose_file_passes_the_compose_cli() -> None:
+    """`docker compose config` validates the file against the Compose schema (no daemon needed)."""
+    cli = compose_cli()
+    if cli is None:
+        pytest.skip("no Compose CLI: neither `docker compose` nor `docker-compose` (apt-get install docker-compose)")
+    env = {k: v for k, v in os.environ.items() if k not in ("KVGATE_SECRET", "KVGATE_TORCH_INDEX")}
+    result = subprocess.run([*cli, "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=120,
+                            env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rendered = yaml.safe_load(result.stdout)["services"]
+    assert set(rendered) == {"redis", "kvgate-a", "kvgate-b"}
+    for name in ("kvgate-a", "kvgate-b"):
+        assert Path(rendered[name]["build"]["context"]).resolve() == ROOT
+        assert rendered[name]["environment"]["KVGATE_SECRET"] == rendered["kvgate-a"]["environment"]["KVGATE_SECRET"]
+
+
+def executed(output: str) -> list[tuple[str, str]]:
+    """(instruction, what happened) for each instruction the script announced, in order."""
+    lines = output.split("==> steps done in", 1)[0].splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        match = re.match(r"==> (?:\[[a-z]+\] )?([A-Z]+ .*)$", line)
+        if not match or match.group(1).split(" ", 1)[0] not in KEYWORDS:
+            continue
+        following = lines[i + 1] if i + 1 < len(lines) else ""
+        found.append((normalized(match.group(1)), following.strip() if following.startswith("    skipped") else "run"))
+    return found
+
+
+KEYWORDS = {"FROM", "ARG", "ENV", "WORKDIR", "COPY", "ADD", "RUN", "CMD", "HEALTHCHECK", "USER", "VOLUME",
+            "EXPOSE", "STOPSIGNAL", "LABEL"}
+METADATA = {"USER", "VOLUME", "EXPOSE", "STOPSIGNAL", "LABEL"}
+MOUNTED = "[cache.device]\nnum_blocks = 200\n\n[cache.host]\ncapacity_mb = 8\n"
 
 
 @pytest.mark.slow
 def test_dockerfile_steps_give_a_working_server(tmp_path: Path) -> None:
-    """Fresh venv, the README's install, the tiny model, HEALTHCHECK, one completion, SIGTERM → 0.
+    """Fresh venv, the README's install, the tiny model, a mounted config, HEALTHCHECK, one
+    completion, disk tier and secret on the /data volume, SIGTERM → 0; every instruction of the
+    Dockerfile was run except the marked ones.
 
     `TORCH_INDEX=` leaves pip's own index configuration in charge (CI has PyPI, not
     download.pytorch.org); the image's default-model step is skipped by `--model tiny`.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     env["TMPDIR"] = str(tmp_path)
-    proc = subprocess.Popen([str(STEPS), "--model", "tiny", "--build-arg", "TORCH_INDEX="], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    config = tmp_path / "mounted.toml"
+    config.write_text(MOUNTED)
+    command = [str(STEPS), "--model", "tiny", "--build-arg", "TORCH_INDEX=", "--config", str(config)]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=900)
+        output, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:  # timed out: the script, its pip and its server are one process group
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, output[-6000:]
+
+    marks = marked()
+    expected = []
+    for keyword, rest in instructions():
+        instruction = normalized(f"{keyword} {rest}")
+        if marks.get(instruction) == "docker-only":
+            expected.append((instruction, "skipped (docker-only)"))
+        elif marks.get(instruction) == "model":
+            expected.append((instruction, "skipped (--model tiny)"))
+        elif keyword in METADATA:
+            expected.append((instruction, "skipped (image metadata)"))
+        else:
+            expected.append((instruction, "run"))
+    assert executed(output) == expected, output[-6000:]
+
+    root = re.search(r"==> image file system in (\S+) ", output).group(1)
+    assert f"config {config} mounted at {root}/config/kvgate.toml" in output
     assert "HEALTHCHECK passed" in output and "completion from tiny" in output
-    assert "skipped (--model tiny)" in output and "OK: the Dockerfile's steps give a working server" in output
+    volume = re.search(r"    volume (\S+): disk tier in (\S+); (\d+) device blocks; tiers (.*)$", output, re.M)
+    assert volume, output[-3000:]
+    assert volume.group(1) == f"{root}/data" and volume.group(2).startswith(f"{root}/data/kv/")
+    assert volume.group(3) == "200", "the mounted config (num_blocks = 200) was not read through KVGATE_CONFIG"
+    assert {"host", "disk"} <= set(volume.group(4).split(", "))
+    assert "OK: the Dockerfile's steps give a working server" in output
     assert not list(tmp_path.glob("kvgate-dockerfile-steps.*")), "the script removes its folder"

@@ -5,7 +5,9 @@ A prefix computed on replica A is a hit on replica B (`cached_tokens` and `/admi
 one cluster node killed, both replicas still answer every request with the same greedy text,
 recomputing what they cannot load, and count the failures. Both run from the compose config
 (`loadtest/compose/kvgate.toml`, its Redis URL pointed at the test's own), so its two tenants and
-keys are what the replicas serve. Every fixture stops what it started and removes its folders.
+keys are what the replicas serve. Every fixture stops what it started and removes its folders
+(Redis is set up before the replicas, so they stop first; the cluster goes with
+`redis_cluster.sh clean`, which must leave no node running and no folder).
 """
 
 from __future__ import annotations
@@ -89,6 +91,11 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def cluster_ports(rng: random.Random) -> list[int]:
     """Three free ports whose cluster bus ports (port + 10000) are free too."""
     ports: list[int] = []
@@ -134,8 +141,15 @@ def start_replicas(replica_env: dict[str, str], tmp_path: Path) -> Iterator[Call
     try:
         yield start
     finally:
+        for server in started:  # SIGTERM to all first: the replicas drain side by side
+            if server.proc.poll() is None:
+                server.proc.send_signal(signal.SIGTERM)
         for server in started:
-            server.stop()
+            try:
+                server.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+            server.stop()  # closes the log; kills one that did not exit in time
         for server in started:
             shutil.rmtree(server.log_path.parent, ignore_errors=True)
 
@@ -193,12 +207,15 @@ def redis_cluster(tmp_path: Path) -> Iterator[Cluster]:
         assert f'url = "{cluster.url}"' in started.stdout
         yield cluster
     finally:
-        stopped = cluster.script("stop", str(cluster.folder))
+        cleaned = cluster.script("clean", str(cluster.folder))
+        leftover = cluster.folder.exists()
         shutil.rmtree(cluster.folder, ignore_errors=True)
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert cleaned.returncode == 0, cleaned.stdout + cleaned.stderr
+        assert not leftover, "redis_cluster.sh clean leaves nothing behind"
+        assert not any(_listening(port) for port in cluster.ports), "a node is still running"
 
 
-def test_two_replicas_on_one_redis_share_a_prefix(start_replicas, redis_single) -> None:
+def test_two_replicas_on_one_redis_share_a_prefix(redis_single, start_replicas) -> None:
     a, b = start_replicas(replica_config(redis_single.url))
     prompt = _ids(21, 300)  # 18 full blocks of 16
     cold, cached = complete(a, prompt)
@@ -215,7 +232,7 @@ def test_two_replicas_on_one_redis_share_a_prefix(start_replicas, redis_single) 
 
 
 def test_two_replicas_on_a_redis_cluster_share_a_prefix_and_survive_a_dead_node(
-        start_replicas, redis_cluster: Cluster) -> None:
+        redis_cluster: Cluster, start_replicas) -> None:
     a, b = start_replicas(replica_config(redis_cluster.url, cluster=True))
     shared, only_a, fresh = _ids(31, 300), _ids(32, 300), _ids(33, 200)
     texts = {}
