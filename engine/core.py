@@ -276,8 +276,9 @@ class EngineCore:
         if self.chain is None or not self._loading:
             return 0
         admitted = 0
-        now = time.perf_counter()
-        for token in self.chain.poll():
+        released = self.chain.poll()
+        now = time.perf_counter()  # after the poll: every released job ended before it (its parts fit in)
+        for token in released:
             self._loaded(str(token), now)
             seqs = self._loading.pop(str(token), None)
             for seq in seqs or ():

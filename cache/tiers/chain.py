@@ -3,12 +3,14 @@
     step loop thread                                   I/O thread (asyncio + aiofiles)
     device eviction ─ demote ─▶ host ─ evicted ─▶ write queue ─▶ disk.write (tmp, fsync, rename)
     admission ─ promote ◀─ host (memcpy into a device block)
-    add_request ─ prefetch(disk blocks) ─────────────▶ disk.read ─▶ completions
-    poll() ◀─ payloads into host, requests released ◀───────────────┘
+    add_request ─ prefetch(disk blocks, host slots) ─▶ disk.read_many ─▶ completions
+    poll() ◀─ slots indexed in host, requests released ◀───────────────┘
 
 The step loop never waits on disk: a request whose prefix continues on disk is held back while
 its blocks load (other requests keep stepping) and enters the scheduler once they are in host
-memory. A block wanted by several requests is read once. Writes are bounded
+memory: the loop reserves a host slot per block and the I/O thread reads the file straight into
+it, in batches of blocks per worker-thread call, several batches at once (no copy between the
+file and host memory). A block wanted by several requests is read once. Writes are bounded
 (``max_pending_writes``): past that, demotions to disk are dropped and counted — back-pressure
 instead of unbounded memory. Whether a disk hit is worth loading is decided by measurement:
 the disk's running load rate against the engine's prefill rate.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -37,6 +40,11 @@ from cache.tiers.host import HostTier
 from cache.tiers.remote import RemoteTier
 
 logger = logging.getLogger(__name__)
+
+# A disk load is split into `read_parallel` batches, one worker-thread call each, run at once (a
+# request is released when all its blocks are in, so fewer, bigger calls are best: each call costs
+# a thread-pool hop); none over this many blocks, so that one call stays short.
+READ_BATCH_BLOCKS = 128
 
 
 @dataclass(slots=True)
@@ -99,7 +107,8 @@ class TierChain:
     """Host and disk tiers below one device pool (either may be absent)."""
 
     def __init__(self, host: HostTier | None, disk: DiskTier | None, max_pending_writes: int = 256,
-                 remote: RemoteTier | None = None, remote_write: str = "through") -> None:
+                 remote: RemoteTier | None = None, remote_write: str = "through",
+                 read_parallel: int = min(4, os.cpu_count() or 1)) -> None:
         self.host = host
         self.disk = disk
         self.remote = remote
@@ -112,7 +121,11 @@ class TierChain:
         # ("block", key, payload | None) and ("done", token, JobTimes), in the order they happened
         self._events: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._inflight: set[bytes] = set()  # disk keys being read (step-loop view)
+        self._slots: dict[bytes, tuple[HostTier, int]] = {}  # host slots those reads go into
         self._reads: dict[bytes, asyncio.Future[int]] = {}  # the same, on the I/O loop
+        self._remote_reads: dict[bytes, asyncio.Future[bool]] = {}  # remote GETs in flight (I/O loop)
+        self.read_parallel = read_parallel
+        self._read_slots = asyncio.Semaphore(read_parallel)  # disk read batches at once (I/O loop)
         self._jobs: set[Hashable] = set()
         self._job_started: dict[Hashable, float] = {}
         self._staged: dict[bytes, bytes | memoryview] = {}  # loads waiting for a host slot when host is off
@@ -254,30 +267,47 @@ class TierChain:
 
         Returns False when there is nothing to wait for.
         """
+        keys = [k for k in dict.fromkeys(keys) if k not in self._inflight]
         waits = [k for k in also_wait_for if k in self._inflight and k not in keys]
         remote = list(remote_keys) if self.remote is not None else []
         if not keys and not waits and not remote:
             return False
         assert self.io is not None
+        dests = [self._reserve_slot(key, owner) for key in keys]
         self._inflight.update(keys)
         for key in (*keys, *remote):
             self._owners.setdefault(key, owner)
         self._job_keys[token] = [*keys, *remote]
         self._jobs.add(token)
         self._job_started[token] = time.monotonic()
-        self.io.submit(self._job(token, list(keys), waits, remote, block_tokens, prefill_tokens_per_s,
+        self.io.submit(self._job(token, keys, dests, waits, remote, block_tokens, prefill_tokens_per_s,
                                  self.disk, self.remote, time.perf_counter()))
         self.stats.prefetches += 1
         return True
 
-    async def _job(self, token: Hashable, keys: list[bytes], waits: list[bytes], remote_keys: list[bytes],
+    def _reserve_slot(self, key: bytes, owner: str) -> memoryview | None:
+        """A host slot for a disk read of ``key`` to land in (no copy afterwards), or None: the
+        block then arrives in a buffer of its own and is copied in by `poll`."""
+        if self.host is None:
+            return None
+        reserved = self.host.reserve(owner)
+        if reserved is None:
+            return None
+        slot, view, evicted = reserved
+        for victim, payload, victim_owner in evicted:
+            self._write(victim, payload, victim_owner)
+        self._slots[key] = (self.host, slot)
+        return view
+
+    async def _job(self, token: Hashable, keys: list[bytes], dests: list[memoryview | None],
+                   waits: list[bytes], remote_keys: list[bytes],
                    block_tokens: int, prefill_tokens_per_s: float | None, disk: DiskTier | None,
                    remote: RemoteTier | None, issued: float) -> None:
         # the tiers are captured when the job is submitted: a detach meanwhile cannot pull them away
         times = JobTimes()
         try:
             t0 = time.perf_counter()
-            own = [self._disk_read(key, disk, issued) for key in keys] if disk is not None else []
+            own = self._disk_reads(keys, dests, disk, issued) if disk is not None else []
             shared = [self._reads[k] for k in waits if k in self._reads]
             done = await asyncio.gather(*own, *shared, return_exceptions=True)
             nbytes = sum(n for n in done[: len(own)] if isinstance(n, int))
@@ -292,25 +322,40 @@ class TierChain:
         finally:
             self._events.put(("done", token, times))
 
-    def _disk_read(self, key: bytes, disk: DiskTier, issued: float) -> asyncio.Future[int]:
-        """One read per key, shared by every job that wants it (runs on the I/O loop)."""
-        future = self._reads.get(key)
-        if future is None:
-            future = asyncio.ensure_future(self._read_one(key, disk, issued))
-            self._reads[key] = future
-        return future
+    def _disk_reads(self, keys: list[bytes], dests: list[memoryview | None], disk: DiskTier,
+                    issued: float) -> list[asyncio.Future[int]]:
+        """Read ``keys`` (distinct, none in flight: `prefetch` sees to that) into ``dests``, in
+        batches, at most `read_parallel` batches at once; other jobs may wait on the same futures
+        (runs on the I/O loop)."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        for key in keys:
+            self._reads[key] = future = loop.create_future()
+            futures.append(future)
+        if keys:  # as many batches as reads may run at once, none over READ_BATCH_BLOCKS
+            per_batch = min(READ_BATCH_BLOCKS, -(-len(keys) // self.read_parallel))
+            for i in range(0, len(keys), per_batch):
+                batch = slice(i, i + per_batch)
+                asyncio.ensure_future(self._read_batch(keys[batch], dests[batch], disk, issued))
+        return futures
 
-    async def _read_one(self, key: bytes, disk: DiskTier, issued: float) -> int:
-        """Read one block into the event queue; returns the bytes read."""
+    async def _read_batch(self, keys: list[bytes], dests: list[memoryview | None], disk: DiskTier,
+                          issued: float) -> None:
+        """Read a batch into the event queue and settle each key's future with the bytes read."""
+        payloads: list[memoryview | None] = [None] * len(keys)
         try:
-            payload = await self._timed("disk_read", disk.read(key), issued)
+            async with self._read_slots:
+                payloads = await self._timed("disk_read", disk.read_many(keys, dests), issued)
+        except asyncio.CancelledError:
+            raise
         except Exception:
             logger.exception("disk cache read failed")
-            payload = None
         finally:
-            self._reads.pop(key, None)
-        self._events.put(("block", key, payload))
-        return len(payload) if payload is not None else 0
+            for key, payload in zip(keys, payloads, strict=True):
+                future = self._reads.pop(key, None)
+                self._events.put(("block", key, payload))
+                if future is not None and not future.done():
+                    future.set_result(len(payload) if payload is not None else 0)
 
     async def _remote_fetch(self, remote: RemoteTier, keys: list[bytes], block_tokens: int,
                             prefill_tokens_per_s: float | None, times: JobTimes) -> None:
@@ -325,11 +370,29 @@ class TierChain:
         if not self._worth_loading(remote, n, block_tokens, prefill_tokens_per_s):
             self.stats.recompute_chosen += 1
             return
-        for key, payload in zip(keys[:n], await remote.get(keys[:n]), strict=True):
-            if payload is None:
-                break
-            self._events.put(("block", key, payload))
-            times.blocks += 1
+        # a block another job is already getting is waited for, not fetched twice
+        loop = asyncio.get_running_loop()
+        wanted = list(dict.fromkeys(keys[:n]))
+        shared = [self._remote_reads[k] for k in wanted if k in self._remote_reads]
+        fresh = [k for k in wanted if k not in self._remote_reads]
+        for key in fresh:
+            self._remote_reads[key] = loop.create_future()
+        payloads: list[memoryview | None] = [None] * len(fresh)
+        try:
+            if fresh:
+                payloads = await remote.get(fresh)
+        finally:
+            complete = True  # blocks after a missing one continue no prefix: not loaded
+            for key, payload in zip(fresh, payloads, strict=True):
+                complete = complete and payload is not None
+                if complete:
+                    self._events.put(("block", key, payload))
+                    times.blocks += 1
+                future = self._remote_reads.pop(key)
+                if not future.done():
+                    future.set_result(complete)
+        if shared:
+            await asyncio.gather(*shared, return_exceptions=True)
 
     def poll(self) -> list[Hashable]:
         """Move finished loads into host memory; return the tokens whose loads are all done."""
@@ -358,10 +421,18 @@ class TierChain:
                 continue
             key = item
             self._inflight.discard(key)
+            reserved = self._slots.pop(key, None)  # the disk read went straight into this host slot
             if payload is None:
+                if reserved is not None:
+                    reserved[0].release(reserved[1])
                 continue
             self.stats.prefetched_blocks += 1
-            if self.host is not None:
+            if reserved is not None:
+                host, slot = reserved
+                for victim, evicted, victim_owner in host.commit(key, slot, self._owners.get(key, UNKNOWN)):
+                    if host is self.host:  # (a host detached meanwhile takes its blocks with it)
+                        self._write(victim, evicted, victim_owner)
+            elif self.host is not None:
                 for victim, evicted, victim_owner in self.host.put_bytes(key, payload, self._owners.get(key, UNKNOWN)):
                     self._write(victim, evicted, victim_owner)
             else:

@@ -1,24 +1,31 @@
 """The on-disk / on-wire form of one KV block: a fixed header, then the raw bytes of the block.
 
     magic "KVGB" | version u16 | dtype (16 bytes) | shape (8 × u32) | model fingerprint (32)
-    | block hash (32) | payload length u64 | CRC-32 of the payload u32 | payload
+    | block hash (32) | payload length u64 | XXH3-64 of the payload u64 | payload
 
 A block is only ever handed back if every field matches what the reader expects: the same model
 (fingerprint), dtype and block shape, the hash it was asked for, the full length and checksum.
 Anything else — truncated, corrupt, another model's, another layout's — is `CorruptBlockError`,
 and the tier that held it deletes it and counts a miss.
+
+Version 2 checks the payload with XXH3-64 (``xxhash``) instead of version 1's CRC-32: zlib's
+CRC-32 ran at ~2.5 GB/s on one core, slower than reading the same block from the page cache
+(~12 GB/s), so checking capped a disk load below a third of the disk's rate; XXH3 runs at tens
+of GB/s and catches the same truncations, garbage and flipped bits. Version-1 records are
+foreign to a version-2 reader: a miss, deleted (they are a cache).
 """
 
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 
+from xxhash import xxh3_64_intdigest
+
 MAGIC = b"KVGB"
-VERSION = 1
+VERSION = 2
 _MAX_DIMS = 8
-_HEADER = struct.Struct(f"<4sH16s{_MAX_DIMS}I32s32sQI")
+_HEADER = struct.Struct(f"<4sH16s{_MAX_DIMS}I32s32sQQ")
 HEADER_SIZE = _HEADER.size
 
 
@@ -62,7 +69,7 @@ def encode(fmt: BlockFormat, block_hash: bytes, payload: bytes | memoryview) -> 
         raise ValueError(f"payload is {view.nbytes} bytes, the block format says {fmt.payload_size}")
     shape = list(fmt.shape) + [0] * (_MAX_DIMS - len(fmt.shape))
     header = _HEADER.pack(MAGIC, VERSION, fmt.dtype.encode(), *shape, fmt.fingerprint, block_hash,
-                          view.nbytes, zlib.crc32(view))
+                          view.nbytes, xxh3_64_intdigest(view))
     return header + view.tobytes()
 
 
@@ -71,9 +78,16 @@ def decode(fmt: BlockFormat, block_hash: bytes, data: bytes | memoryview) -> mem
     view = memoryview(data).cast("B")
     if view.nbytes < HEADER_SIZE:
         raise CorruptBlockError(f"record is {view.nbytes} bytes, shorter than the {HEADER_SIZE}-byte header")
-    fields = _HEADER.unpack_from(view)
+    return check(fmt, block_hash, view[:HEADER_SIZE], view[HEADER_SIZE:], view.nbytes - HEADER_SIZE)
+
+
+def check(fmt: BlockFormat, block_hash: bytes, header: memoryview, payload: memoryview, payload_read: int) -> memoryview:
+    """Check a record read in two parts (a header, then ``payload_read`` bytes into ``payload``, as
+    a scattered read into a destination slot does); returns the payload view or raises
+    `CorruptBlockError`."""
+    fields = _HEADER.unpack_from(header)
     magic, version, dtype, shape = fields[0], fields[1], fields[2], fields[3:3 + _MAX_DIMS]
-    fingerprint, stored_hash, length, crc = fields[3 + _MAX_DIMS:]
+    fingerprint, stored_hash, length, checksum = fields[3 + _MAX_DIMS:]
     if magic != MAGIC:
         raise CorruptBlockError("bad magic: not a KVGate block")
     if version != VERSION:
@@ -87,10 +101,10 @@ def decode(fmt: BlockFormat, block_hash: bytes, data: bytes | memoryview) -> mem
         raise CorruptBlockError(f"block shape {tuple(d for d in shape if d)}, expected {fmt.shape}")
     if stored_hash != block_hash:
         raise CorruptBlockError("block was stored under another hash")
-    if length != fmt.payload_size or view.nbytes != HEADER_SIZE + length:
-        raise CorruptBlockError(f"record holds {view.nbytes - HEADER_SIZE} payload bytes, expected "
+    if length != fmt.payload_size or payload_read != length:
+        raise CorruptBlockError(f"record holds {payload_read} payload bytes, expected "
                                 f"{fmt.payload_size} (truncated or padded)")
-    payload = view[HEADER_SIZE:]
-    if zlib.crc32(payload) != crc:
+    payload = payload[:length]
+    if xxh3_64_intdigest(payload) != checksum:
         raise CorruptBlockError("checksum mismatch: the payload is corrupt")
     return payload

@@ -2,7 +2,8 @@
 
 Only the engine's step-loop thread touches it: device evictions are copied in (one memcpy per
 block, no serialisation), promotions copied out into a device block, and blocks that the disk
-tier loaded are handed over by the loop. When full, the eviction policy picks a victim whose
+tier loaded are read straight into slots the loop reserved for them (`reserve`, then `commit`
+or `release`), or handed over by the loop (remote loads). When full, the eviction policy picks a victim whose
 bytes are returned to the caller, who passes them down the chain.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import numpy
 import torch
 
 from cache.quota import UNKNOWN, QuotaLedger, pick_victim
@@ -31,6 +33,7 @@ class HostTier:
         self.slots = torch.empty((self.capacity_blocks, block_nbytes), dtype=torch.uint8, pin_memory=pin)
         self._index: dict[bytes, int] = {}
         self._free = list(range(self.capacity_blocks - 1, -1, -1))
+        self._reserved: set[int] = set()  # slots a disk read is filling (see `reserve`)
         self.policy = make_policy(policy, self.capacity_blocks)
         self.policy_name = policy
         self.stats = TierStats()
@@ -48,20 +51,24 @@ class HostTier:
     def nbytes(self) -> int:
         return len(self._index) * self.block_nbytes
 
-    def put(self, key: bytes, src: torch.Tensor, owner: str = UNKNOWN) -> list[tuple[bytes, bytes, str]]:
-        """Copy a block in for ``owner`` (``src``: its bytes as a flat uint8 tensor); returns the
-        blocks that had to leave as (key, bytes, owner). A block whose owner has a host quota of 0
-        passes straight through (it is returned as if evicted)."""
+    def put(self, key: bytes, src: torch.Tensor | memoryview, owner: str = UNKNOWN) -> list[tuple[bytes, bytes, str]]:
+        """Copy a block in for ``owner`` (``src``: its bytes as a flat uint8 tensor, or a buffer); returns the
+        blocks that had to leave as (key, bytes, owner). A block whose owner has a host quota of 0,
+        or that finds every slot reserved by disk reads, passes straight through (it is returned
+        as if evicted)."""
         if key in self._index:
             self.policy.touch(key)
             self.ledger.touch(key)
             return []
-        if not self.ledger.admits(owner):
-            return [(key, src.cpu().numpy().tobytes(), owner)]
+        if not self.ledger.admits(owner) or not self._free and not self._index:  # (all slots reserved)
+            return [(key, src.cpu().numpy().tobytes() if isinstance(src, torch.Tensor) else bytes(src), owner)]
         evicted = [self._evict_one(owner)] if not self._free or self.ledger.at_quota(owner) else []
         slot = self._free.pop()
         t0 = time.perf_counter()
-        self.slots[slot].copy_(src)
+        if isinstance(src, torch.Tensor):
+            self.slots[slot].copy_(src)
+        else:  # a read-only buffer (a Redis reply) is copied by numpy: torch would want it writable
+            self.slots[slot].numpy()[:] = numpy.frombuffer(src, dtype=numpy.uint8)
         self.stats.write_time_s += time.perf_counter() - t0
         self._index[key] = slot
         self.policy.insert(key)
@@ -73,9 +80,42 @@ class HostTier:
         return evicted
 
     def put_bytes(self, key: bytes, payload: bytes | memoryview, owner: str = UNKNOWN) -> list[tuple[bytes, bytes, str]]:
-        view = memoryview(payload).cast("B")
-        src = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8)
-        return self.put(key, src, owner)
+        return self.put(key, memoryview(payload).cast("B"), owner)
+
+    def reserve(self, owner: str = UNKNOWN) -> tuple[int, memoryview, list[tuple[bytes, bytes, str]]] | None:
+        """A slot for a block to be read straight into (a disk load), outside the index until
+        `commit` or `release`: (slot, a writable view of it, blocks evicted to make room). None
+        when ``owner`` may hold no host block or every slot is already reserved."""
+        if not self.ledger.admits(owner) or not self._free and not self._index:
+            return None
+        evicted = [] if self._free else [self._evict_one(owner)]
+        slot = self._free.pop()
+        self._reserved.add(slot)
+        return slot, self.slots[slot].numpy().data, evicted
+
+    def commit(self, key: bytes, slot: int, owner: str = UNKNOWN) -> list[tuple[bytes, bytes, str]]:
+        """A reserved slot now holds ``key``'s block for ``owner``: index it. Returns blocks that had
+        to leave (``owner`` at its quota)."""
+        self._reserved.remove(slot)
+        if key in self._index:  # the block arrived meanwhile by another path
+            self._free.append(slot)
+            self.policy.touch(key)
+            self.ledger.touch(key)
+            return []
+        evicted = [self._evict_one(owner)] if self.ledger.at_quota(owner) else []
+        self._index[key] = slot
+        self.policy.insert(key)
+        self.ledger.add(key, owner)
+        self.life.inserted(key)
+        self.stats.puts += 1
+        self.stats.writes += 1
+        self.stats.bytes_written += self.block_nbytes
+        return evicted
+
+    def release(self, slot: int) -> None:
+        """A reserved slot was not filled (the read failed): free it."""
+        self._reserved.remove(slot)
+        self._free.append(slot)
 
     def load_into(self, key: bytes, dst: torch.Tensor) -> bool:
         """Copy a block out into ``dst`` (flat uint8, e.g. a device block); False on a miss."""
@@ -129,7 +169,8 @@ class HostTier:
         return key, payload, self.ledger.remove(key) or UNKNOWN  # type: ignore[return-value]
 
     def check_invariants(self) -> None:
-        assert len(self._index) + len(self._free) == self.capacity_blocks
+        assert len(self._index) + len(self._free) + len(self._reserved) == self.capacity_blocks
+        assert not self._reserved & set(self._free) and not self._reserved & set(self._index.values())
         assert len(set(self._index.values())) == len(self._index)
         assert not set(self._index.values()) & set(self._free)
         assert len(self.policy) == len(self._index), (len(self.policy), len(self._index))

@@ -163,7 +163,7 @@ class RemoteTier:
             return [False] * len(keys)
         return [bool(r) for r in result]
 
-    async def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    async def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
         """Payloads for ``keys`` (None for a miss, an invalid record, or a store that is down)."""
         if not keys:
             return []
@@ -173,7 +173,7 @@ class RemoteTier:
         if result is None:
             self.stats.misses += len(keys)
             return [None] * len(keys)
-        out: list[bytes | None] = []
+        out: list[memoryview | None] = []
         bad: list[bytes] = []
         nbytes = 0
         for key, data in zip(keys, result, strict=True):
@@ -182,7 +182,7 @@ class RemoteTier:
                 out.append(None)
                 continue
             try:
-                out.append(decode(self.fmt, key, data).tobytes())
+                out.append(decode(self.fmt, key, data))  # a view of the reply: no copy
                 nbytes += len(data)
                 self.stats.hits += 1
                 self.life.accessed(key)

@@ -17,6 +17,7 @@ from cache.tiers.chain import TierChain
 from cache.tiers.codec import BlockFormat
 from cache.tiers.disk import DiskTier
 from cache.tiers.host import HostTier
+from cache.tiers.remote import RemoteTier
 
 FMT = BlockFormat(bytes(range(32)), "float16", (4, 8))  # 64-byte blocks
 NB = FMT.payload_size
@@ -183,6 +184,80 @@ def test_prefetch_then_poll_releases_and_blocks_are_in_host(tmp_path: Path, chai
     assert chain.drain_writes(WAIT_S)  # host evictions caused by the loads went down
     chain.host.check_invariants()
     chain.disk.check_invariants()
+
+
+def test_disk_reads_land_in_reserved_host_slots(tmp_path: Path, chains: list[TierChain]) -> None:
+    """A prefetch reserves one host slot per block and the file is read straight into it: the
+    block appears in host memory without a copy by the loop; a failed read gives its slot back."""
+    chains.append(chain := make_chain(tmp_path, host_blocks=8, disk_blocks=64))
+    assert chain.disk is not None and chain.host is not None
+    for i in range(40):
+        asyncio.run(chain.disk.write(key(i), raw(i)))
+    chain.disk.path_of(key(3)).write_bytes(b"\0" * FMT.record_size)  # corrupt on disk
+    keys = [key(i) for i in range(6)]
+    assert chain.plan_prefetch(keys, 16, None) == keys
+    assert chain.prefetch("r", keys)
+    assert len(chain.host._reserved) == 6 and len(chain.host) == 0  # slots held, nothing indexed yet
+    poll_until(chain, ["r"])
+    assert not chain.host._reserved
+    assert [key(i) in chain.host for i in range(6)] == [True, True, True, False, True, True]
+    assert chain.disk.stats.corrupt == 1 and chain.stats.prefetched_blocks == 5
+    for i in (0, 1, 2, 4, 5):
+        out = load(chain, i)
+        assert out is not None and torch.equal(out, block(i))
+    chain.host.check_invariants()
+    chain.disk.check_invariants()
+    # a load bigger than the host: every slot is reserved, the rest arrive in buffers of their own
+    more = [key(i) for i in range(10, 40)]
+    assert chain.prefetch("big", chain.plan_prefetch(more, 16, None))
+    poll_until(chain, ["big"])
+    assert chain.stats.prefetched_blocks == 5 + 30
+    assert len(chain.host) == 8 and not chain.host._reserved
+    chain.host.check_invariants()
+
+
+def test_many_blocks_are_read_in_parallel_batches(tmp_path: Path, chains: list[TierChain]) -> None:
+    chains.append(chain := make_chain(tmp_path, host_blocks=128, disk_blocks=128))
+    assert chain.disk is not None and chain.host is not None
+    for i in range(100):
+        asyncio.run(chain.disk.write(key(i), raw(i)))
+    keys = [key(i) for i in range(100)]
+    assert chain.prefetch("r", chain.plan_prefetch(keys, 16, None))
+    poll_until(chain, ["r"])
+    ops = chain.ops["disk_read"].snapshot()["ops"]
+    assert 2 <= ops < 100  # batches, not one call per block, and more than one
+    assert chain.disk.stats.hits == 100 and len(chain.host) == 100
+    for i in range(100):
+        out = load(chain, i)
+        assert out is not None and torch.equal(out, block(i))
+
+
+def test_a_remote_block_wanted_by_two_requests_is_fetched_once(redis_url: str, chains: list[TierChain]) -> None:
+    """Two requests arriving together for the same prefix in Redis: one GET pipeline (the
+    second waits for the first's), both released with every block in host memory."""
+    remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0)
+    chains.append(chain := TierChain(HostTier(32 * NB, NB), None, remote=remote))
+    assert chain.io is not None
+    assert chain.io.submit(remote.put([(key(i), raw(i)) for i in range(12)])).result(WAIT_S)
+    keys = [key(i) for i in range(12)]
+    calls: list[int] = []
+    real_get = remote.get
+
+    async def slow_get(wanted: list[bytes]) -> list[memoryview | None]:
+        calls.append(len(wanted))
+        await asyncio.sleep(1.0)  # b's existence check certainly ends while a's GET is in flight
+        return await real_get(wanted)
+
+    remote.get = slow_get  # type: ignore[method-assign]
+    assert chain.prefetch("a", [], remote_keys=keys)
+    assert chain.prefetch("b", [], remote_keys=keys)
+    released = poll_until(chain, ["a", "b"])
+    assert sorted(map(str, released)) == ["a", "b"]
+    assert calls == [12] and remote.stats.reads == 1 and remote.stats.hits == 12
+    assert chain.host is not None and all(k in chain.host for k in keys)
+    for i in range(12):
+        out = load(chain, i)
+        assert out is not None and torch.equal(out, block(i))
 
 
 def test_prefetch_with_nothing_to_wait_for(chain: TierChain) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import struct
-import zlib
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from xxhash import xxh3_64_intdigest
 
 from cache.tiers.codec import HEADER_SIZE, MAGIC, VERSION, BlockFormat, CorruptBlockError, decode, encode
 
@@ -16,7 +16,7 @@ FMT = BlockFormat(FP, "float16", (2, 3, 4))  # 48 bytes of payload
 KEY = bytes(range(100, 132))
 PAYLOAD = bytes((i * 7 + 3) % 256 for i in range(FMT.payload_size))
 
-# Byte offsets of the header fields ("<4sH16s8I32s32sQI": packed, no alignment padding).
+# Byte offsets of the header fields ("<4sH16s8I32s32sQQ": packed, no alignment padding).
 OFF_MAGIC = 0
 OFF_VERSION = 4
 OFF_DTYPE = 6
@@ -24,7 +24,7 @@ OFF_SHAPE = 22
 OFF_FP = 54
 OFF_HASH = 86
 OFF_LEN = 118
-OFF_CRC = 126
+OFF_SUM = 126
 
 
 def record(fmt: BlockFormat = FMT, key: bytes = KEY, payload: bytes = PAYLOAD) -> bytes:
@@ -36,7 +36,7 @@ def patched(data: bytes, offset: int, new: bytes) -> bytes:
 
 
 def test_header_layout_has_no_padding() -> None:
-    assert HEADER_SIZE == 4 + 2 + 16 + 8 * 4 + 32 + 32 + 8 + 4 == 130
+    assert HEADER_SIZE == 4 + 2 + 16 + 8 * 4 + 32 + 32 + 8 + 8 == 134
     data = record()
     assert data[OFF_MAGIC:OFF_MAGIC + 4] == MAGIC
     assert struct.unpack_from("<H", data, OFF_VERSION)[0] == VERSION
@@ -45,7 +45,7 @@ def test_header_layout_has_no_padding() -> None:
     assert data[OFF_FP:OFF_FP + 32] == FP
     assert data[OFF_HASH:OFF_HASH + 32] == KEY
     assert struct.unpack_from("<Q", data, OFF_LEN)[0] == FMT.payload_size
-    assert struct.unpack_from("<I", data, OFF_CRC)[0] == zlib.crc32(PAYLOAD)
+    assert struct.unpack_from("<Q", data, OFF_SUM)[0] == xxh3_64_intdigest(PAYLOAD)
     assert data[HEADER_SIZE:] == PAYLOAD
 
 
@@ -143,9 +143,9 @@ def test_flipped_payload_byte_fails_checksum() -> None:
         decode(FMT, KEY, bytes(data))
 
 
-def test_flipped_crc_byte_fails_checksum() -> None:
+def test_flipped_checksum_byte_fails_checksum() -> None:
     data = bytearray(record())
-    data[OFF_CRC] ^= 0x80
+    data[OFF_SUM] ^= 0x80
     with pytest.raises(CorruptBlockError, match="checksum"):
         decode(FMT, KEY, bytes(data))
 

@@ -397,8 +397,11 @@ def test_fsync_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_read_error_is_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tier = make(tmp_path)
     write(tier, 1)
+    def failing_readv(fd: int, bufs: object) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
     with monkeypatch.context() as m:
-        m.setattr(aiofiles, "open", lambda *a, **k: _RaisingOpen(OSError(errno.EIO, "Input/output error")))
+        m.setattr(disk_module.os, "readv", failing_readv)
         assert read(tier, 1) is None
     assert tier.stats.errors == 1 and tier.stats.corrupt == 0
     assert key(1) in tier and read(tier, 1) == payload(1)  # a transient error keeps the block
@@ -414,3 +417,24 @@ def test_errors_logged_once_per_kind(tmp_path: Path, monkeypatch: pytest.MonkeyP
                 assert not write(tier, i)
     assert tier.stats.errors == 5
     assert len([r for r in caplog.records if r.name == disk_module.__name__]) == 1
+
+
+def test_read_many_into_given_buffers(tmp_path: Path) -> None:
+    """A batch read puts each payload straight into its destination buffer; a damaged, padded or
+    missing file gives None (and is counted) whatever the others do."""
+    tier = make(tmp_path)
+    for i in range(5):
+        assert write(tier, i)
+    padded = tier.path_of(key(1))
+    padded.write_bytes(padded.read_bytes() + b"\0")
+    tier.path_of(key(2)).write_bytes(tier.path_of(key(2)).read_bytes()[:-1])
+    dests = [memoryview(bytearray(FMT.payload_size)) for _ in range(5)]
+    keys = [key(0), key(1), key(2), key(3), key(9)]
+    out = run(tier.read_many(keys, [dests[0], dests[1], dests[2], None, dests[4]]))
+    assert out[0] is not None and bytes(out[0]) == payload(0) and bytes(dests[0]) == payload(0)
+    assert out[0].obj is dests[0].obj  # a view of the destination, not a copy
+    assert out[1] is None and out[2] is None and out[4] is None
+    assert out[3] is not None and bytes(out[3]) == payload(3) and not out[3].readonly
+    assert tier.stats.corrupt == 2 and tier.stats.hits == 2 and tier.stats.misses == 3
+    assert key(1) not in tier and key(2) not in tier and not tier.path_of(key(1)).exists()
+    tier.check_invariants()

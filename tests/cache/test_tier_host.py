@@ -213,3 +213,60 @@ class HostMachine(RuleBasedStateMachine):
 
 HostMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestHostMachine = HostMachine.TestCase
+
+
+def test_reserve_commit_release() -> None:
+    """Slots a disk read fills: outside the index until committed; released ones are free again."""
+    tier = HostTier(NB * 3, NB)
+    tier.put(key(1), block(1))
+    got = tier.reserve()
+    assert got is not None
+    slot, view, evicted = got
+    assert evicted == [] and view.nbytes == NB and not view.readonly
+    view[:] = block(7).numpy().tobytes()
+    assert key(7) not in tier and len(tier) == 1
+    tier.check_invariants()
+    assert tier.commit(key(7), slot) == []
+    out = load(tier, key(7))
+    assert out is not None and torch.equal(out, block(7))
+    tier.check_invariants()
+    # a full tier evicts for a reservation; a failed read releases its slot
+    got = tier.reserve()
+    assert got is not None and got[2] == []
+    again = tier.reserve()
+    assert again is not None and len(again[2]) == 1 and again[2][0][0] == key(1)
+    tier.release(got[0])
+    tier.release(again[0])
+    assert len(tier) == 1 and key(7) in tier
+    tier.check_invariants()
+    # when every slot is reserved, there is nothing to evict: no reservation
+    small = HostTier(NB * 2, NB)
+    assert small.reserve() is not None and small.reserve() is not None
+    assert small.reserve() is None
+    passed = small.put(key(5), block(5))  # no room and nothing to evict: straight through
+    assert passed == [(key(5), block(5).numpy().tobytes(), "")] and key(5) not in small
+    small.check_invariants()
+
+
+def test_commit_of_a_block_that_arrived_meanwhile_frees_the_slot() -> None:
+    tier = HostTier(NB * 2, NB)
+    got = tier.reserve()
+    assert got is not None
+    tier.put(key(1), block(1))
+    assert tier.commit(key(1), got[0]) == []
+    assert len(tier) == 1
+    tier.check_invariants()
+
+
+def test_reserve_respects_a_zero_quota_and_commit_the_quota() -> None:
+    tier = HostTier(NB * 4, NB)
+    tier.ledger.set_limit("t", 0)
+    assert tier.reserve("t") is None
+    tier.ledger.set_limit("u", 1)
+    first = tier.reserve("u")
+    second = tier.reserve("u")
+    assert first is not None and second is not None
+    assert tier.commit(key(1), first[0], "u") == []
+    evicted = tier.commit(key(2), second[0], "u")  # at its quota: its own block leaves
+    assert [e[0] for e in evicted] == [key(1)] and key(2) in tier and key(1) not in tier
+    tier.check_invariants()

@@ -93,7 +93,8 @@ def test_gap_metrics_follow_a_workload_served_from_host_then_disk(tiny_model_dir
         # 3: the disk loads and writes, issue-to-done against raw transfer
         ops = gaps["completion_overhead"]
         assert ops["prefetch"]["ops"] == 1
-        assert ops["disk_read"]["ops"] == disk["hits"] >= BLOCKS
+        assert disk["hits"] >= BLOCKS  # read in a few batches (one per reader), not one call per block
+        assert 1 <= ops["disk_read"]["ops"] <= 4 < BLOCKS
         assert ops["disk_write"]["ops"] >= 0  # flush() writes directly, outside the chain's write path
         for op in ("prefetch", "disk_read"):
             assert ops[op]["issue_to_done_s"]["sum"] >= ops[op]["transfer_s"]["sum"] > 0
