@@ -16,6 +16,7 @@ Call after the model's fingerprint is taken: packed layers hold buffers, not par
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 _PACK_HINT_ROWS = 16  # oneDNN picks its blocking for this many rows; any row count works
-_MKL_ROWS = 512  # from this many rows on, plain F.linear (MKL) is the faster kernel
+_CALIBRATION_ROWS = 1024  # a prefill-sized matmul, timed once per model to choose the kernel
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -35,12 +36,17 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``y = x Wᵀ + b``: oneDNN's packed W for few rows (decode), MKL's for many (prefill).
+    """``y = x Wᵀ + b``: oneDNN's packed W for few rows (decode); for many rows (prefill) whichever
+    of oneDNN and MKL's sgemm `pack_model` measured faster on this CPU (``mkl_rows``: from how
+    many rows MKL is used; None = never).
 
-    Both copies are kept (buffers, not parameters): past ~512 rows MKL's sgemm is 3-10 % faster
-    than oneDNN on this layout, below it oneDNN is 15-40 % faster. The price is one more copy of
-    each linear weight in host memory (docs/engine.md).
+    Few rows: oneDNN is 15-100 % faster everywhere we measured. Many rows: on an Intel Xeon MKL
+    was 3-10 % faster past ~512 rows; on an AMD EPYC (Zen 4) oneDNN is 10-40 % faster at every
+    size (MKL does not pick its AVX-512 kernels there). The plain weight is kept for MKL and for
+    `_agrees`, one more copy of each linear weight in host memory (docs/engine.md).
     """
+
+    mkl_rows: int | None = 512
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -56,7 +62,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] >= _MKL_ROWS:
+        if self.mkl_rows is not None and rows.shape[0] >= self.mkl_rows:
             return F.linear(x, self.weight, self.bias)
         if not rows.is_contiguous():
             rows = rows.contiguous()
@@ -99,8 +105,30 @@ def pack_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> in
         return 0
     replaced = _pack_children(model, dtype)
     if replaced:
-        logger.info("packed %d linear layers for oneDNN", replaced)
+        packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        mkl_rows = _calibrate(max(packed, key=lambda m: m.out_features * m.in_features))
+        for layer in packed:
+            layer.mkl_rows = mkl_rows
+        logger.info("packed %d linear layers for oneDNN; many-row matmuls use %s", replaced,
+                    "oneDNN too" if mkl_rows is None else f"MKL from {mkl_rows} rows")
     return replaced
+
+
+def _calibrate(layer: PackedLinear, repeats: int = 3) -> int | None:
+    """Time one of the model's own weights at a prefill-sized row count with both kernels (best of
+    ``repeats``): 512 (MKL from there on) if MKL is faster, else None (oneDNN for every size)."""
+    x = torch.randn(_CALIBRATION_ROWS, layer.in_features, dtype=layer.weight.dtype,
+                    generator=torch.Generator().manual_seed(0))
+    kernels = {"onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], ""),
+               "mkl": lambda: F.linear(x, layer.weight, layer.bias)}
+    best = dict.fromkeys(kernels, float("inf"))
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for name, run in kernels.items():
+                t0 = time.perf_counter()
+                run()
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return 512 if best["mkl"] < best["onednn"] else None
 
 
 def _pack_children(parent: nn.Module, dtype: torch.dtype) -> int:

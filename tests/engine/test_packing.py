@@ -1,0 +1,41 @@
+"""Pre-packed linear layers: the same results as the model's own layers, whichever kernel runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.packing import PackedLinear, _calibrate, pack_model, packing_supported
+
+pytestmark = pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.float32),
+                                reason="oneDNN weight packing is not available in this torch build")
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 700])
+@pytest.mark.parametrize("mkl_rows", [512, None])
+def test_packed_linear_matches_f_linear(rows: int, mkl_rows: int | None) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=gen)
+    bias = torch.randn(96, generator=gen)
+    layer = PackedLinear(weight, bias)
+    layer.mkl_rows = mkl_rows
+    x = torch.randn(rows, 64, generator=gen)
+    with torch.inference_mode():
+        assert torch.allclose(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        assert layer(x.view(1, rows, 64)).shape == (1, rows, 96)
+
+
+def test_calibration_chooses_a_kernel_and_pack_model_applies_it() -> None:
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        expected = model(x)
+    assert pack_model(model, torch.device("cpu"), torch.float32) == 2
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 2 and len({m.mkl_rows for m in packed}) == 1
+    assert packed[0].mkl_rows in (512, None)
+    assert _calibrate(packed[0], repeats=1) in (512, None)
+    with torch.inference_mode():
+        assert torch.allclose(model(x), expected, rtol=1e-5, atol=1e-5)
