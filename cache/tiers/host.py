@@ -70,13 +70,7 @@ class HostTier:
         else:  # a read-only buffer (a Redis reply) is copied by numpy: torch would want it writable
             self.slots[slot].numpy()[:] = numpy.frombuffer(src, dtype=numpy.uint8)
         self.stats.write_time_s += time.perf_counter() - t0
-        self._index[key] = slot
-        self.policy.insert(key)
-        self.ledger.add(key, owner)
-        self.life.inserted(key)
-        self.stats.puts += 1
-        self.stats.writes += 1
-        self.stats.bytes_written += self.block_nbytes
+        self._index_slot(key, slot, owner)
         return evicted
 
     def put_bytes(self, key: bytes, payload: bytes | memoryview, owner: str = UNKNOWN) -> list[tuple[bytes, bytes, str]]:
@@ -103,6 +97,11 @@ class HostTier:
             self.ledger.touch(key)
             return []
         evicted = [self._evict_one(owner)] if self.ledger.at_quota(owner) else []
+        self._index_slot(key, slot, owner)
+        return evicted
+
+    def _index_slot(self, key: bytes, slot: int, owner: str) -> None:
+        """``slot`` now holds ``key``'s block for ``owner``: index it and count the write."""
         self._index[key] = slot
         self.policy.insert(key)
         self.ledger.add(key, owner)
@@ -110,7 +109,6 @@ class HostTier:
         self.stats.puts += 1
         self.stats.writes += 1
         self.stats.bytes_written += self.block_nbytes
-        return evicted
 
     def release(self, slot: int) -> None:
         """A reserved slot was not filled (the read failed): free it."""
