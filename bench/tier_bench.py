@@ -162,21 +162,25 @@ def tier_section(bench: Bench) -> dict[str, Any]:
                 row["load_bytes"] = s.bytes_read - remote0["bytes_read"]
             results[tier].append(row)
             say(f"repeat {r + 1}/{args.repeats} {tier:9s} TTFT {t * 1000:8.1f} ms  cached {cached}")
-    # ceilings, same bytes, same run
+    # ceilings, same bytes, same run; each the median of 3 passes after a warm-up pass
     src = torch.empty(nblocks * block_bytes, dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    t0 = time.perf_counter()
-    for _ in range(5):
+
+    def memcpy() -> int:
         dst.copy_(src)
-    memcpy_bps = 5 * src.numel() / (time.perf_counter() - t0)
+        return src.numel()
+
+    memcpy_bps = median_rate(memcpy)
     files = sorted(Path(core.chain.disk.dir).glob("*.kvb"))[:nblocks]
-    t0 = time.perf_counter()
-    total = 0
-    for path in files:
-        with path.open("rb") as f:
-            total += len(f.read())
-    read_bps = total / max(time.perf_counter() - t0, 1e-9)
+
+    def read_files() -> int:
+        total = 0
+        for path in files:
+            with path.open("rb") as f:
+                total += len(f.read())
+        return total
+
+    read_bps = median_rate(read_files)
     redis_bps = redis_py_bps = None
     if core.chain.remote is not None:
         redis_bps, redis_py_bps = redis_ceilings(args.redis_url, nblocks, core.chain.remote.fmt.record_size)
@@ -190,6 +194,18 @@ def tier_section(bench: Bench) -> dict[str, Any]:
             "remote_load_bytes_per_s": statistics.median(r["load_bytes"] / r["load_s"] for r in results["remote"]
                                                          if r.get("load_s")) if "remote" in results else None,
             "block_bytes": block_bytes, "blocks": nblocks}
+
+
+def median_rate(run: Any, passes: int = 3) -> float:
+    """Bytes per second of ``run()`` (which returns the bytes it moved): the median of ``passes``
+    timed passes after one untimed warm-up pass (first-touch page faults are not the ceiling)."""
+    run()
+    rates = []
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        nbytes = run()
+        rates.append(nbytes / max(time.perf_counter() - t0, 1e-9))
+    return statistics.median(rates)
 
 
 def redis_ceilings(url: str, nblocks: int, value_bytes: int) -> tuple[float, float]:
