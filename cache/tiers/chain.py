@@ -268,11 +268,15 @@ class TierChain:
         Returns False when there is nothing to wait for.
         """
         keys = [k for k in dict.fromkeys(keys) if k not in self._inflight]
+        also_wait_for = list(also_wait_for)
         waits = [k for k in also_wait_for if k in self._inflight and k not in keys]
         remote = list(remote_keys) if self.remote is not None else []
         if not keys and not waits and not remote:
             return False
         assert self.io is not None
+        if self.host is not None:  # the request's blocks already in host must not make room for the rest
+            for key in also_wait_for:
+                self.host.touch(key)
         dests = [self._reserve_slot(key, owner) for key in keys]
         self._inflight.update(keys)
         for key in (*keys, *remote):

@@ -76,6 +76,12 @@ class HostTier:
     def put_bytes(self, key: bytes, payload: bytes | memoryview, owner: str = UNKNOWN) -> list[tuple[bytes, bytes, str]]:
         return self.put(key, memoryview(payload).cast("B"), owner)
 
+    def touch(self, key: bytes) -> None:
+        """Mark ``key``'s block as just used (a request is about to promote it)."""
+        if key in self._index:
+            self.policy.touch(key)
+            self.ledger.touch(key)
+
     def reserve(self, owner: str = UNKNOWN) -> tuple[int, memoryview, list[tuple[bytes, bytes, str]]] | None:
         """A slot for a block to be read straight into (a disk load), outside the index until
         `commit` or `release`: (slot, a writable view of it, blocks evicted to make room). None

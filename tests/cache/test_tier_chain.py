@@ -216,6 +216,26 @@ def test_disk_reads_land_in_reserved_host_slots(tmp_path: Path, chains: list[Tie
     chain.host.check_invariants()
 
 
+def test_room_for_a_load_is_not_taken_from_the_same_requests_host_blocks(tmp_path: Path,
+                                                                        chains: list[TierChain]) -> None:
+    """A prompt whose first blocks are in host (least recently used) and the rest on disk: the
+    slots for the disk blocks are made by evicting other blocks, not the prompt's own."""
+    chains.append(chain := make_chain(tmp_path, host_blocks=4))
+    assert chain.disk is not None and chain.host is not None
+    for i in (2, 3):
+        asyncio.run(chain.disk.write(key(i), raw(i)))
+    for i in (0, 1, 50, 51):  # the prompt's blocks 0 and 1 first: the LRU ones
+        chain.host.put(key(i), block(i))
+    prompt = [key(i) for i in range(4)]
+    need = chain.plan_prefetch(prompt, 16, None)
+    assert need == [key(2), key(3)]
+    assert chain.prefetch("r", need, also_wait_for=prompt)
+    poll_until(chain, ["r"])
+    assert all(k in chain.host for k in prompt)
+    assert key(50) not in chain.host and key(51) not in chain.host
+    chain.host.check_invariants()
+
+
 def test_many_blocks_are_read_in_parallel_batches(tmp_path: Path, chains: list[TierChain]) -> None:
     chains.append(chain := make_chain(tmp_path, host_blocks=128, disk_blocks=128))
     assert chain.disk is not None and chain.host is not None
