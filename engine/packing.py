@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 _PACK_HINT_ROWS = 16  # oneDNN picks its blocking for this many rows; any row count works
 _CALIBRATION_ROWS = 1024  # a prefill-sized matmul, timed once per model to choose the kernel
+_MKL_ROWS = 512  # where MKL won the calibration, it takes matmuls from this many rows on
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -46,7 +47,7 @@ class PackedLinear(nn.Module):
     `_agrees`, one more copy of each linear weight in host memory (docs/engine.md).
     """
 
-    mkl_rows: int | None = 512
+    mkl_rows: int | None = _MKL_ROWS
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -64,10 +65,11 @@ class PackedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.mkl_rows is not None and rows.shape[0] >= self.mkl_rows:
             return F.linear(x, self.weight, self.bias)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return self.onednn(rows.contiguous()).reshape(*x.shape[:-1], self.out_features)
+
+    def onednn(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` [n, in_features], contiguous, times the packed weight."""
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
 
 
 class FusedGateUpMLP(nn.Module):
@@ -116,11 +118,10 @@ def pack_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> in
 
 def _calibrate(layer: PackedLinear, repeats: int = 3) -> int | None:
     """Time one of the model's own weights at a prefill-sized row count with both kernels (best of
-    ``repeats``): 512 (MKL from there on) if MKL is faster, else None (oneDNN for every size)."""
+    ``repeats``): `_MKL_ROWS` (MKL from there on) if MKL is faster, else None (oneDNN for every size)."""
     x = torch.randn(_CALIBRATION_ROWS, layer.in_features, dtype=layer.weight.dtype,
                     generator=torch.Generator().manual_seed(0))
-    kernels = {"onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], ""),
-               "mkl": lambda: F.linear(x, layer.weight, layer.bias)}
+    kernels = {"onednn": lambda: layer.onednn(x), "mkl": lambda: F.linear(x, layer.weight, layer.bias)}
     best = dict.fromkeys(kernels, float("inf"))
     with torch.inference_mode():
         for _ in range(repeats):
@@ -128,7 +129,7 @@ def _calibrate(layer: PackedLinear, repeats: int = 3) -> int | None:
                 t0 = time.perf_counter()
                 run()
                 best[name] = min(best[name], time.perf_counter() - t0)
-    return 512 if best["mkl"] < best["onednn"] else None
+    return _MKL_ROWS if best["mkl"] < best["onednn"] else None
 
 
 def _pack_children(parent: nn.Module, dtype: torch.dtype) -> int:

@@ -350,9 +350,7 @@ class TierChain:
         try:
             async with self._read_slots:
                 payloads = await self._timed("disk_read", disk.read_many(keys, dests), issued)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
+        except Exception:  # (a cancellation at shutdown is not one: it still settles the futures below)
             logger.exception("disk cache read failed")
         finally:
             for key, payload in zip(keys, payloads, strict=True):

@@ -3,8 +3,8 @@
 Only the engine's step-loop thread touches it: device evictions are copied in (one memcpy per
 block, no serialisation), promotions copied out into a device block, and blocks that the disk
 tier loaded are read straight into slots the loop reserved for them (`reserve`, then `commit`
-or `release`), or handed over by the loop (remote loads). When full, the eviction policy picks a victim whose
-bytes are returned to the caller, who passes them down the chain.
+or `release`), or handed over by the loop (remote loads). When full, the eviction policy picks
+a victim whose bytes are returned to the caller, who passes them down the chain.
 """
 
 from __future__ import annotations
@@ -57,8 +57,7 @@ class HostTier:
         or that finds every slot reserved by disk reads, passes straight through (it is returned
         as if evicted)."""
         if key in self._index:
-            self.policy.touch(key)
-            self.ledger.touch(key)
+            self.touch(key)
             return []
         if not self.ledger.admits(owner) or not self._free and not self._index:  # (all slots reserved)
             return [(key, src.cpu().numpy().tobytes() if isinstance(src, torch.Tensor) else bytes(src), owner)]
@@ -99,8 +98,7 @@ class HostTier:
         self._reserved.remove(slot)
         if key in self._index:  # the block arrived meanwhile by another path
             self._free.append(slot)
-            self.policy.touch(key)
-            self.ledger.touch(key)
+            self.touch(key)
             return []
         evicted = [self._evict_one(owner)] if self.ledger.at_quota(owner) else []
         self._index_slot(key, slot, owner)
