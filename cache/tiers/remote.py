@@ -22,6 +22,7 @@ from typing import Any
 
 from cache.telemetry import AccessPattern, BlockLife
 from cache.tiers.codec import HEADER_SIZE, BlockFormat, CorruptBlockError, decode, encode
+from cache.tiers.resp import GetPipe, endpoint
 from cache.tiers.stats import RateEstimate, TierStats
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class RemoteTier:
         self.access = AccessPattern()  # op and batch sizes, read/write mix (gap metric 1)
         self.life = BlockLife(max_tracked=65536)  # keys this replica wrote or read; Redis expires them itself
         self._client: Any = None
+        where = None if cluster else endpoint(url)
+        self._gets = GetPipe(where, timeout_s) if where is not None else None
         self._logged = False
         # owner → (opaque tag, quota in blocks or None): who is accounted in Redis (see `put`)
         self._accounts: dict[str, tuple[str, int | None]] = {}
@@ -112,14 +115,21 @@ class RemoteTier:
         return self._client
 
     async def _run(self, build: Any) -> list[Any] | None:
-        """Run one pipeline under the timeout and the breaker; None = failed (counted)."""
+        """Run one redis-py pipeline under the timeout and the breaker; None = failed (counted)."""
+
+        async def execute() -> Any:
+            pipe = self._connect().pipeline(transaction=False)
+            build(pipe)
+            return await pipe.execute()
+
+        return await self._guarded(execute)
+
+    async def _guarded(self, call: Any) -> list[Any] | None:
+        """Await ``call()`` under the timeout and the breaker; None = failed (counted)."""
         if not self.breaker.allow():
             return None
         try:
-            client = self._connect()
-            pipe = client.pipeline(transaction=False)
-            build(pipe)
-            result = await asyncio.wait_for(pipe.execute(), self.timeout_s)
+            result = await asyncio.wait_for(call(), self.timeout_s)
         except Exception as exc:  # timeouts, connection refused, cluster errors: all degrade to a miss
             self.stats.errors += 1
             was_closed = self.breaker.state == "closed"
@@ -134,6 +144,8 @@ class RemoteTier:
         return list(result)
 
     async def _reset(self) -> None:
+        if self._gets is not None:
+            self._gets.close()
         client, self._client = self._client, None
         if client is not None:
             try:
@@ -168,7 +180,11 @@ class RemoteTier:
         if not keys:
             return []
         t0 = time.perf_counter()
-        result = await self._run(lambda pipe: [pipe.get(self.key(k)) for k in keys])
+        if self._gets is not None:  # values received in place (resp.py); redis-py for the rest
+            gets = self._gets
+            result = await self._guarded(lambda: gets.get([self.key(k) for k in keys]))
+        else:
+            result = await self._run(lambda pipe: [pipe.get(self.key(k)) for k in keys])
         elapsed = time.perf_counter() - t0
         if result is None:
             self.stats.misses += len(keys)

@@ -1,0 +1,246 @@
+"""GetPipe: pipelined Redis GETs whose values are received straight into buffers of their own.
+
+The remote tier's hot path is one pipeline of GETs of ~0.7 MB values. redis-py's asyncio client
+reads replies through a ``StreamReader``: each chunk is received into a new ``bytes``, appended
+to the reader's buffer, and every value is sliced out of that buffer again — three copies of
+every byte before the tier sees it, all on the I/O thread (docs/tiers.md has the profile). This
+module speaks just enough RESP2 for that path (``AUTH``, ``SELECT``, ``GET``) over an
+``asyncio.BufferedProtocol``: the socket is read with ``recv_into`` into the value's own buffer,
+so each byte is copied once, by the kernel. Everything else (writes, existence checks, Redis
+Cluster, TLS) stays with redis-py.
+
+One pipeline at a time per connection (a lock); a reply stream that breaks, or a caller that
+gives up (timeout, cancellation), closes the connection: the next call opens a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import numpy
+
+_SCRATCH_BYTES = 64 * 1024  # reply lines and the first bytes of values land here
+_MAX_LINE = 64 * 1024
+_DIRECT_MIN = 4096  # a value with at least this much still to come is received in place
+
+
+class RespError(Exception):
+    """The server answered with an error reply (``-ERR ...``), or broke the protocol."""
+
+
+def endpoint(url: str) -> dict[str, Any] | None:
+    """Where and how to connect for ``redis://`` and ``unix://`` URLs ({host, port} or {path},
+    plus username, password, db); None for a URL this module does not handle (``rediss://``)."""
+    parts = urlsplit(url)
+    out: dict[str, Any] = {"username": unquote(parts.username) if parts.username else None,
+                           "password": unquote(parts.password) if parts.password else None, "db": 0}
+    if parts.scheme == "redis":
+        out.update(host=parts.hostname or "localhost", port=parts.port or 6379)
+        path = parts.path.strip("/")
+        if path:
+            out["db"] = int(path)
+    elif parts.scheme == "unix":
+        out["path"] = parts.path
+    else:
+        return None
+    for name, value in (pair.split("=", 1) for pair in parts.query.split("&") if "=" in pair):
+        if name == "db":
+            out["db"] = int(value)
+    return out
+
+
+def command(*args: bytes) -> bytes:
+    """One RESP command: an array of bulk strings."""
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+
+class ReplyReader(asyncio.BufferedProtocol):
+    """Parses a stream of RESP2 replies; bulk strings go into numpy buffers of their size.
+
+    `expect(n)` returns a future of the next ``n`` replies: a bulk string is a writable
+    ``memoryview`` (None for a nil), a status reply a ``str``, an integer an ``int``, an error
+    reply a `RespError` (in the list, not raised: one bad key does not fail the pipeline).
+    """
+
+    def __init__(self) -> None:
+        self.transport: asyncio.BaseTransport | None = None
+        self._raw = bytearray(_SCRATCH_BYTES)
+        self._scratch = memoryview(self._raw)
+        self._direct = False  # the last get_buffer handed out the value itself
+        self._line = bytearray()
+        self._value: memoryview | None = None  # the bulk string being received
+        self._filled = 0
+        self._skip = 0  # bytes of a value's trailing CRLF still to discard
+        self._wanted = 0
+        self._replies: list[Any] = []
+        self._waiter: asyncio.Future[list[Any]] | None = None
+        self.lost: BaseException | None = None
+
+    # ---- asyncio callbacks --------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = exc or ConnectionError("the Redis server closed the connection")
+        self._settle(self.lost)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        self._direct = self._value is not None and self._value.nbytes - self._filled >= _DIRECT_MIN
+        if self._direct:
+            assert self._value is not None
+            return self._value[self._filled:]  # the kernel writes straight into the value
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._direct:
+            assert self._value is not None
+            self._filled += nbytes
+            if self._filled == self._value.nbytes:
+                self._finish_value()
+            return
+        try:
+            self._feed(nbytes)
+        except (RespError, ValueError) as exc:  # the stream is unusable from here on
+            self.lost = exc if isinstance(exc, RespError) else RespError(f"malformed reply: {exc}")
+            self._settle(self.lost)
+            if self.transport is not None:
+                self.transport.close()
+
+    # ---- replies ------------------------------------------------------------------------------
+    def expect(self, n: int) -> asyncio.Future[list[Any]]:
+        assert self._waiter is None, "one pipeline at a time"
+        self._waiter = waiter = asyncio.get_running_loop().create_future()
+        self._wanted, self._replies = n, []
+        if self.lost is not None:
+            self._settle(self.lost)
+        return waiter
+
+    def _feed(self, n: int) -> None:
+        """Parse the first ``n`` bytes of the scratch buffer."""
+        raw, i = self._raw, 0
+        while i < n:
+            if self._skip:
+                step = min(self._skip, n - i)
+                self._skip -= step
+                i += step
+            elif self._value is not None:
+                step = min(self._value.nbytes - self._filled, n - i)
+                self._value[self._filled:self._filled + step] = self._scratch[i:i + step]
+                self._filled += step
+                i += step
+                if self._filled == self._value.nbytes:
+                    self._finish_value()
+            else:
+                cut = raw.find(b"\n", i, n)
+                if cut < 0:  # a line split across reads
+                    self._line += raw[i:n]
+                    if len(self._line) > _MAX_LINE:
+                        raise RespError("reply line too long: not a Redis server")
+                    return
+                self._line += raw[i:cut + 1]
+                i = cut + 1
+                line, self._line = bytes(self._line), bytearray()
+                self._line_done(line)
+
+    def _line_done(self, line: bytes) -> None:
+        if not line.endswith(b"\r\n") or len(line) < 3:
+            raise RespError(f"malformed reply line {line[:40]!r}")
+        kind, body = line[:1], line[1:-2]
+        if kind == b"$":
+            size = int(body)
+            if size < 0:
+                self._reply(None)
+            else:
+                self._value, self._filled = memoryview(numpy.empty(size, dtype=numpy.uint8)).cast("B"), 0
+                if size == 0:
+                    self._finish_value()
+        elif kind == b"+":
+            self._reply(body.decode(errors="replace"))
+        elif kind == b"-":
+            self._reply(RespError(body.decode(errors="replace")))
+        elif kind == b":":
+            self._reply(int(body))
+        else:
+            raise RespError(f"unexpected reply type {kind!r} (only strings, errors and integers are read)")
+
+    def _finish_value(self) -> None:
+        value, self._value = self._value, None
+        self._skip = 2
+        self._reply(value)
+
+    def _reply(self, value: Any) -> None:
+        if self._waiter is None:
+            raise RespError("a reply arrived that nothing asked for")
+        self._replies.append(value)
+        if len(self._replies) == self._wanted:
+            self._settle(None)
+
+    def _settle(self, exc: BaseException | None) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            if exc is None:
+                waiter.set_result(self._replies)
+            else:
+                waiter.set_exception(exc)
+
+
+class GetPipe:
+    """One connection to one Redis server for pipelined GETs (see the module docstring)."""
+
+    def __init__(self, where: dict[str, Any], connect_timeout_s: float) -> None:
+        self.where = where
+        self.connect_timeout_s = connect_timeout_s
+        self._reader: ReplyReader | None = None
+        self._lock = asyncio.Lock()
+
+    async def get(self, keys: Sequence[str]) -> list[memoryview | None]:
+        """Values of ``keys`` (None: no such key, or not a string); raises on a broken or
+        refused connection, leaving the pipe to reconnect on the next call."""
+        if not keys:
+            return []
+        async with self._lock:
+            try:
+                reader = await self._connected()
+                waiter = reader.expect(len(keys))
+                assert isinstance(reader.transport, asyncio.WriteTransport)
+                reader.transport.write(b"".join(command(b"GET", k.encode()) for k in keys))
+                replies = await waiter
+            except BaseException:  # a timeout or cancellation leaves replies in flight: start over
+                self.close()
+                raise
+        return [r if isinstance(r, memoryview) else None for r in replies]
+
+    async def _connected(self) -> ReplyReader:
+        if self._reader is not None and self._reader.lost is None:
+            return self._reader
+        self.close()
+        loop = asyncio.get_running_loop()
+        where = self.where
+        if "path" in where:
+            opening = loop.create_unix_connection(ReplyReader, where["path"])
+        else:
+            opening = loop.create_connection(ReplyReader, where["host"], where["port"])
+        _, reader = await asyncio.wait_for(opening, self.connect_timeout_s)
+        self._reader = reader
+        setup = []
+        if where["password"] is not None:
+            user = [where["username"].encode()] if where["username"] else []
+            setup.append(command(b"AUTH", *user, where["password"].encode()))
+        if where["db"]:
+            setup.append(command(b"SELECT", str(where["db"]).encode()))
+        if setup:
+            waiter = reader.expect(len(setup))
+            assert isinstance(reader.transport, asyncio.WriteTransport)
+            reader.transport.write(b"".join(setup))
+            for reply in await waiter:
+                if isinstance(reply, RespError):
+                    raise reply
+        return reader
+
+    def close(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None and reader.transport is not None:
+            reader.transport.close()

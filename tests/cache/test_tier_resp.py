@@ -1,0 +1,200 @@
+"""GetPipe / ReplyReader: RESP2 replies parsed however the socket splits them, values received in
+place, and pipelined GETs against a real redis-server (password, database, errors, reconnects)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cache.tiers.resp import GetPipe, ReplyReader, RespError, command, endpoint
+
+BIG = os.urandom(300_000)  # several socket reads, most of it received straight into its buffer
+REPLIES = [b"$5\r\nhello\r\n", b"$-1\r\n", b"$%d\r\n%s\r\n" % (len(BIG), BIG), b"+OK\r\n",
+           b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n", b":42\r\n",
+           b"$0\r\n\r\n", b"$8\r\n\r\nab\r\ncd\r\n"]
+STREAM = b"".join(REPLIES)
+
+
+def expected() -> list[object]:
+    return [b"hello", None, BIG, "OK", RespError("WRONGTYPE Operation against a key holding the wrong kind of value"),
+            42, b"", b"\r\nab\r\ncd"]
+
+
+def feed(reader: ReplyReader, data: bytes, cuts: list[int]) -> None:
+    """Deliver ``data`` the way asyncio does: into whatever buffer the protocol hands out, never
+    more than it holds, ending reads at ``cuts`` (and wherever a buffer is full)."""
+    pos, stops = 0, sorted({c for c in cuts if 0 < c < len(data)} | {len(data)})
+    for stop in stops:
+        while pos < stop:
+            buf = reader.get_buffer(-1)
+            n = min(len(buf), stop - pos)
+            buf[:n] = data[pos:pos + n]
+            reader.buffer_updated(n)
+            pos += n
+
+
+def check(replies: list[object]) -> None:
+    want = expected()
+    assert len(replies) == len(want)
+    for got, exp in zip(replies, want, strict=True):
+        if isinstance(exp, RespError):
+            assert isinstance(got, RespError) and str(got) == str(exp)
+        elif isinstance(exp, bytes):
+            assert isinstance(got, memoryview) and not got.readonly and bytes(got) == exp
+        else:
+            assert got == exp
+
+
+def parse(cuts: list[int]) -> list[object]:
+    async def main() -> list[object]:
+        reader = ReplyReader()
+        waiter = reader.expect(len(REPLIES))
+        feed(reader, STREAM, cuts)
+        return await waiter
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 4095, 4096, 65536, len(STREAM)])
+def test_replies_parse_the_same_in_chunks_of_any_size(chunk: int) -> None:
+    check(parse(list(range(chunk, len(STREAM), chunk))))
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(STREAM) - 1), max_size=40))
+def test_replies_parse_the_same_wherever_the_socket_splits_them(cuts: list[int]) -> None:
+    check(parse(cuts))
+
+
+def test_the_large_value_is_received_in_its_own_buffer_not_the_scratch() -> None:
+    async def main() -> None:
+        reader = ReplyReader()
+        reader.expect(1)
+        head = b"$%d\r\n" % len(BIG)
+        feed(reader, head + BIG[:10], [])
+        buf = reader.get_buffer(-1)  # the rest of the value: its own buffer, exactly what is left
+        assert len(buf) == len(BIG) - 10
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("garbage", [b"?what\r\n", b"$abc\r\n", b"*2\r\n$1\r\na\r\n$1\r\nb\r\n", b"x" * 70_000])
+def test_a_broken_stream_fails_the_waiter_with_a_clear_error(garbage: bytes) -> None:
+    async def main() -> None:
+        reader = ReplyReader()
+        waiter = reader.expect(1)
+        feed(reader, garbage, [])
+        with pytest.raises(RespError):
+            await waiter
+
+    asyncio.run(main())
+
+
+def test_a_reply_nobody_asked_for_marks_the_connection_unusable() -> None:
+    async def main() -> None:
+        reader = ReplyReader()
+        waiter = reader.expect(1)
+        feed(reader, b"+OK\r\n+EXTRA\r\n", [])
+        assert await waiter == ["OK"]
+        assert isinstance(reader.lost, RespError)  # GetPipe opens a fresh connection next time
+        with pytest.raises(RespError):
+            await reader.expect(1)
+
+    asyncio.run(main())
+
+
+def test_endpoint_reads_redis_and_unix_urls_and_declines_tls() -> None:
+    assert endpoint("redis://127.0.0.1:7000/2") == {"host": "127.0.0.1", "port": 7000, "db": 2,
+                                                    "username": None, "password": None}
+    assert endpoint("redis://u%40x:p%3Aw@h") == {"host": "h", "port": 6379, "db": 0, "username": "u@x", "password": "p:w"}
+    assert endpoint("unix:///run/redis.sock?db=3") == {"path": "/run/redis.sock", "db": 3,
+                                                        "username": None, "password": None}
+    assert endpoint("rediss://h:6380/0") is None
+
+
+def test_command_is_a_resp_array_of_bulk_strings() -> None:
+    assert command(b"GET", b"k") == b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n"
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def test_pipelined_gets_against_a_real_server(redis_url, redis_server) -> None:
+    with redis_server.client() as client:
+        client.set("kvg-test:big", BIG)
+        client.set("kvg-test:small", b"x")
+        client.rpush("kvg-test:list", b"a")
+
+    async def main() -> None:
+        pipe = GetPipe(endpoint(redis_url), 2.0)
+        try:
+            got = await pipe.get(["kvg-test:big", "kvg-test:missing", "kvg-test:small", "kvg-test:list"])
+            assert [bytes(v) if v is not None else None for v in got] == [BIG, None, b"x", None]
+            for _ in range(3):  # the connection is reused
+                assert bytes((await pipe.get(["kvg-test:small"]))[0]) == b"x"
+            assert await pipe.get([]) == []
+        finally:
+            pipe.close()
+
+    run(main())
+
+
+def test_a_password_and_a_database_from_the_url_are_used(redis_server) -> None:
+    with redis_server.client() as client:
+        client.execute_command("ACL", "SETUSER", "kvg-reader", "on", ">s3cret", "~*", "+@all")
+        client.select(5)
+        client.set("kvg-test:db5", b"five")
+    try:
+        async def main() -> None:
+            good = GetPipe(endpoint(f"redis://kvg-reader:s3cret@127.0.0.1:{redis_server.port}/5"), 2.0)
+            bad = GetPipe(endpoint(f"redis://kvg-reader:wrong@127.0.0.1:{redis_server.port}/5"), 2.0)
+            try:
+                assert bytes((await good.get(["kvg-test:db5"]))[0]) == b"five"
+                with pytest.raises(RespError, match="WRONGPASS"):
+                    await bad.get(["kvg-test:db5"])
+            finally:
+                good.close()
+                bad.close()
+
+        run(main())
+    finally:
+        with redis_server.client() as client:
+            client.execute_command("ACL", "DELUSER", "kvg-reader")
+            client.select(5)
+            client.delete("kvg-test:db5")
+
+
+def test_a_connection_the_server_drops_is_reopened_on_the_next_call(redis_url, redis_server) -> None:
+    with redis_server.client() as client:
+        client.set("kvg-test:k", b"v")
+
+    async def main() -> None:
+        pipe = GetPipe(endpoint(redis_url), 2.0)
+        try:
+            assert bytes((await pipe.get(["kvg-test:k"]))[0]) == b"v"
+            with redis_server.client() as client:
+                client.client_kill_filter(_type="normal", skipme=True)
+            await asyncio.sleep(0.1)
+            try:
+                await pipe.get(["kvg-test:k"])  # may still see the dead connection once
+            except (ConnectionError, OSError):
+                pass
+            assert bytes((await pipe.get(["kvg-test:k"]))[0]) == b"v"
+        finally:
+            pipe.close()
+
+    run(main())
+
+
+def test_a_refused_connection_raises_and_leaves_nothing_open() -> None:
+    async def main() -> None:
+        pipe = GetPipe(endpoint("redis://127.0.0.1:1/0"), 1.0)
+        with pytest.raises(OSError):
+            await pipe.get(["k"])
+        assert pipe._reader is None
+
+    run(main())
