@@ -199,6 +199,15 @@ class GetPipe:
     async def get(self, keys: Sequence[str]) -> list[memoryview | None]:
         """Values of ``keys`` (None: no such key, or not a string); raises on a broken or
         refused connection, leaving the pipe to reconnect on the next call."""
+        replies = await self._pipeline(b"GET", keys)
+        return [r if isinstance(r, memoryview) else None for r in replies]
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each of ``keys`` exists (one ``EXISTS`` per key, pipelined)."""
+        replies = await self._pipeline(b"EXISTS", keys)
+        return [r == 1 for r in replies]
+
+    async def _pipeline(self, name: bytes, keys: Sequence[str]) -> list[Any]:
         if not keys:
             return []
         async with self._lock:
@@ -206,12 +215,11 @@ class GetPipe:
                 reader = await self._connected()
                 waiter = reader.expect(len(keys))
                 assert isinstance(reader.transport, asyncio.WriteTransport)
-                reader.transport.write(b"".join(command(b"GET", k.encode()) for k in keys))
-                replies = await waiter
+                reader.transport.write(b"".join(command(name, k.encode()) for k in keys))
+                return await waiter
             except BaseException:  # a timeout or cancellation leaves replies in flight: start over
                 self.close()
                 raise
-        return [r if isinstance(r, memoryview) else None for r in replies]
 
     async def _connected(self) -> ReplyReader:
         if self._reader is not None and self._reader.lost is None:

@@ -127,3 +127,53 @@ def test_the_password_never_reaches_the_log(url: str, caplog: pytest.LogCaptureF
 
     run(main())
     assert "secret" not in caplog.text and "***@127.0.0.1:1/0" in caplog.text
+
+
+def test_a_large_write_goes_out_in_bounded_pipelines_and_lookups_run_between_them(
+        redis_url, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One prompt's write-through in a single pipeline held every lookup behind its encoding and
+    copies (~200 ms for 128 blocks of 720 KiB); now each pipeline carries at most
+    WRITE_PIPELINE_BYTES and the I/O loop runs other work between them."""
+    import cache.tiers.remote as remote_module
+
+    monkeypatch.setattr(remote_module, "WRITE_PIPELINE_BYTES", 3 * FMT.record_size)
+    pipelines: list[int] = []
+    between: list[int] = []  # lookups that ran while the write was under way
+
+    async def main() -> None:
+        tier = RemoteTier(redis_url, FMT)
+        real_run = tier._run
+
+        async def counting_run(build):  # type: ignore[no-untyped-def]
+            class Recorder:  # counts the SETs a pipeline would carry
+                sets = 0
+
+                def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+                    def command(*args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+                        if name == "set":
+                            self.sets += 1
+                    return command
+
+            probe = Recorder()
+            build(probe)
+            if probe.sets:
+                pipelines.append(probe.sets)
+            return await real_run(build)
+
+        tier._run = counting_run  # type: ignore[method-assign]
+        try:
+            items = [(key(i), PAYLOAD) for i in range(10)]
+            writing = asyncio.ensure_future(tier.put(items))
+            await asyncio.sleep(0)
+            while not writing.done():
+                assert await tier.exists([key(100)]) == [False]
+                between.append(len(pipelines))
+            assert writing.result() == 10
+            assert await tier.get([k for k, _ in items]) == [PAYLOAD] * 10
+            assert tier.stats.writes == 4 and tier.stats.puts == 10
+        finally:
+            await tier.close()
+
+    run(main())
+    assert pipelines == [3, 3, 3, 1]
+    assert any(0 < n < 4 for n in between)  # a lookup was answered between two of the write's pipelines

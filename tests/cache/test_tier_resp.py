@@ -134,6 +134,7 @@ def test_pipelined_gets_against_a_real_server(redis_url, redis_server) -> None:
         try:
             got = await pipe.get(["kvg-test:big", "kvg-test:missing", "kvg-test:small", "kvg-test:list"])
             assert [bytes(v) if v is not None else None for v in got] == [BIG, None, b"x", None]
+            assert await pipe.exists(["kvg-test:big", "kvg-test:missing", "kvg-test:list"]) == [True, False, True]
             for _ in range(3):  # the connection is reused
                 assert bytes((await pipe.get(["kvg-test:small"]))[0]) == b"x"
             assert await pipe.get([]) == []
