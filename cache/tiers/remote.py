@@ -88,7 +88,7 @@ class RemoteTier:
         self.life = BlockLife(max_tracked=65536)  # keys this replica wrote or read; Redis expires them itself
         self._client: Any = None
         where = None if cluster else endpoint(url)
-        self._gets = GetPipe(where, timeout_s) if where is not None else None
+        self._gets = GetPipe(where, timeout_s, max_value=fmt.record_size) if where is not None else None
         self._logged = False
         # owner → (opaque tag, quota in blocks or None): who is accounted in Redis (see `put`)
         self._accounts: dict[str, tuple[str, int | None]] = {}

@@ -62,10 +62,14 @@ class ReplyReader(asyncio.BufferedProtocol):
 
     `expect(n)` returns a future of the next ``n`` replies: a bulk string is a writable
     ``memoryview`` (None for a nil), a status reply a ``str``, an integer an ``int``, an error
-    reply a `RespError` (in the list, not raised: one bad key does not fail the pipeline).
+    reply a `RespError` (in the list, not raised: one bad key does not fail the pipeline). A bulk
+    string longer than ``max_value`` is read past without being kept and given as an empty
+    buffer: a server (or a stranger's value under our key) cannot make us allocate what it says.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_value: int | None = None) -> None:
+        self.max_value = max_value  # a longer value is read past, not kept: an empty buffer stands for it
+        self._discard = 0  # bytes of such a value still to read past
         self.transport: asyncio.BaseTransport | None = None
         self._raw = bytearray(_SCRATCH_BYTES)
         self._scratch = memoryview(self._raw)
@@ -126,6 +130,13 @@ class ReplyReader(asyncio.BufferedProtocol):
                 step = min(self._skip, n - i)
                 self._skip -= step
                 i += step
+            elif self._discard:
+                step = min(self._discard, n - i)
+                self._discard -= step
+                i += step
+                if not self._discard:
+                    self._skip = 2
+                    self._reply(memoryview(bytearray()))
             elif self._value is not None:
                 step = min(self._value.nbytes - self._filled, n - i)
                 self._value[self._filled:self._filled + step] = self._scratch[i:i + step]
@@ -153,6 +164,8 @@ class ReplyReader(asyncio.BufferedProtocol):
             size = int(body)
             if size < 0:
                 self._reply(None)
+            elif self.max_value is not None and size > self.max_value:
+                self._discard = size
             else:
                 self._value, self._filled = memoryview(numpy.empty(size, dtype=numpy.uint8)).cast("B"), 0
                 if size == 0:
@@ -190,8 +203,9 @@ class ReplyReader(asyncio.BufferedProtocol):
 class GetPipe:
     """One connection to one Redis server for pipelined GETs (see the module docstring)."""
 
-    def __init__(self, where: dict[str, Any], connect_timeout_s: float) -> None:
+    def __init__(self, where: dict[str, Any], connect_timeout_s: float, max_value: int | None = None) -> None:
         self.where = where
+        self.max_value = max_value
         self.connect_timeout_s = connect_timeout_s
         self._reader: ReplyReader | None = None
         self._lock = asyncio.Lock()
@@ -228,9 +242,9 @@ class GetPipe:
         loop = asyncio.get_running_loop()
         where = self.where
         if "path" in where:
-            opening = loop.create_unix_connection(ReplyReader, where["path"])
+            opening = loop.create_unix_connection(lambda: ReplyReader(self.max_value), where["path"])
         else:
-            opening = loop.create_connection(ReplyReader, where["host"], where["port"])
+            opening = loop.create_connection(lambda: ReplyReader(self.max_value), where["host"], where["port"])
         _, reader = await asyncio.wait_for(opening, self.connect_timeout_s)
         self._reader = reader
         setup = []

@@ -52,17 +52,19 @@ def test_a_corrupt_or_foreign_record_is_a_miss_and_deleted(redis_url, redis_serv
     with redis_server.client() as client:
         client.set(name, encode(other, key(5), PAYLOAD))  # another model's block under our key
         client.set(tier.key(key(6)), b"garbage")
+        client.set(tier.key(key(7)), b"x" * (FMT.record_size * 1000))  # too long: read past, never kept
+        client.set(tier.key(key(8)), encode(FMT, key(8), PAYLOAD))
 
     async def main() -> list:
         try:
-            return await tier.get([key(5), key(6)])
+            return await tier.get([key(5), key(6), key(7), key(8)])
         finally:
             await tier.close()
 
-    assert run(main()) == [None, None]
-    assert tier.stats.corrupt == 2
+    assert run(main()) == [None, None, None, PAYLOAD]
+    assert tier.stats.corrupt == 3
     with redis_server.client() as client:
-        assert client.exists(name) == 0
+        assert client.exists(name) == 0 and client.exists(tier.key(key(7))) == 0
 
 
 def test_a_dead_store_is_a_fast_miss_and_opens_the_breaker(tmp_path) -> None:

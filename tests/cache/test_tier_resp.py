@@ -69,6 +69,20 @@ def test_replies_parse_the_same_wherever_the_socket_splits_them(cuts: list[int])
     check(parse(cuts))
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
+def test_a_value_over_the_limit_is_read_past_and_given_as_an_empty_buffer(chunk: int) -> None:
+    async def main() -> list[object]:
+        reader = ReplyReader(max_value=1000)
+        waiter = reader.expect(3)
+        data = b"$%d\r\n%s\r\n$3\r\nabc\r\n$1000\r\n%s\r\n" % (len(BIG), BIG, b"y" * 1000)
+        feed(reader, data, list(range(chunk, len(data), chunk)))
+        return await waiter
+
+    first, second, third = asyncio.run(main())
+    assert isinstance(first, memoryview) and first.nbytes == 0
+    assert bytes(second) == b"abc" and bytes(third) == b"y" * 1000
+
+
 def test_the_large_value_is_received_in_its_own_buffer_not_the_scratch() -> None:
     async def main() -> None:
         reader = ReplyReader()
