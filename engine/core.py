@@ -28,6 +28,7 @@ from cache.tiers.host import HostTier
 from cache.tiers.remote import RemoteTier
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.heap import keep_heap_memory
 from engine.limits import RequestLimits
 from engine.model import LoadedModel, load_model, model_fingerprint
 from engine.outputs import GenerateRequest, TokenLogprob
@@ -97,6 +98,8 @@ class EngineCore:
                                              self.loaded.kv_shape)
         if config.pack_weights:
             pack_model(self.loaded.model, self.loaded.device, self.loaded.dtype)
+        if self.loaded.device.type == "cpu":
+            keep_heap_memory()  # activations reuse mapped pages instead of faulting in fresh ones
         self.manager = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.manager.pool.life.enabled = config.metrics
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)

@@ -36,6 +36,21 @@ def test_calibration_chooses_a_kernel_and_pack_model_applies_it() -> None:
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 2 and len({m.mkl_rows for m in packed}) == 1
     assert packed[0].mkl_rows in (512, None)
-    assert _calibrate(packed[0], repeats=1) in (512, None)
+    assert _calibrate(packed, repeats=1) in (512, None)
     with torch.inference_mode():
         assert torch.allclose(model(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_calibration_times_each_decoder_shape_once_and_never_the_output_head(tiny_model_dir) -> None:
+    from engine.model import load_model
+    from engine.packing import _calibration_layers
+
+    model = load_model(str(tiny_model_dir)).model
+    pack_model(model, torch.device("cpu"), torch.float32)
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    head = model.get_output_embeddings()
+    assert isinstance(head, PackedLinear)
+    chosen = _calibration_layers(model, packed)
+    shapes = [(m.out_features, m.in_features) for m in chosen]
+    assert head not in chosen and len(shapes) == len(set(shapes))
+    assert set(shapes) == {(m.out_features, m.in_features) for m in packed if m is not head}

@@ -1,0 +1,46 @@
+"""Keep freed heap memory mapped in the process that runs the model (glibc only).
+
+A CPU forward allocates and frees activations of 1-25 MB per op (a 2k-token prefill's MLP output
+alone is 25 MB). glibc serves requests above ``M_MMAP_THRESHOLD`` (dynamic, 128 KiB up to 32 MiB)
+with fresh ``mmap``s and gives the top of the heap back to the kernel once more than
+``M_TRIM_THRESHOLD`` is free; either way the next op writes into fresh pages, and every 4 KiB of
+them costs a page fault and zeroing. Measured in process on a 2-core AMD EPYC (SmolLM2 float32):
+15 prompts of 136 tokens in one step 3.76-3.99 s → 3.09-3.17 s, one 2,040-token prefill
+5.01-5.26 s → 4.30-4.33 s; element-wise ops (``mul``, ``silu``) ran 2.4× faster. Raising only one
+of the two thresholds did not help (docs/serving.md).
+
+`keep_heap_memory` serves every allocation up to 32 MiB (glibc's ceiling for the setting) from the
+heap and never trims it on its own: the process keeps its peak activation memory mapped, as
+vLLM keeps its buffers. Larger blocks (weights, the KV pool) are still ``mmap``ed, and an explicit
+``malloc_trim`` still returns free memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from typing import Any
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 32 << 20  # glibc refuses more (HEAP_MAX_SIZE / 2 on 64-bit)
+TRIM_THRESHOLD_BYTES = (1 << 31) - 1  # mallopt takes an int: ~2 GiB, i.e. never in practice
+
+
+def _libc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl): its allocator has no such thresholds
+        return None
+    return libc if hasattr(libc, "mallopt") else None
+
+
+def keep_heap_memory() -> bool:
+    """Set both thresholds for this process; True where glibc accepted them."""
+    libc = _libc()
+    if libc is None:
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
