@@ -99,14 +99,14 @@ class ReplyReader(asyncio.BufferedProtocol):
         return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._direct:
-            assert self._value is not None
-            self._filled += nbytes
-            if self._filled == self._value.nbytes:
-                self._finish_value()
-            return
         try:
-            self._feed(nbytes)
+            if self._direct:
+                assert self._value is not None
+                self._filled += nbytes
+                if self._filled == self._value.nbytes:
+                    self._finish_value()
+            else:
+                self._feed(nbytes)
         except (RespError, ValueError) as exc:  # the stream is unusable from here on
             self.lost = exc if isinstance(exc, RespError) else RespError(f"malformed reply: {exc}")
             self._settle(self.lost)

@@ -120,6 +120,17 @@ def test_a_reply_nobody_asked_for_marks_the_connection_unusable() -> None:
     asyncio.run(main())
 
 
+def test_a_large_value_nobody_asked_for_marks_the_connection_unusable() -> None:
+    async def main() -> None:
+        reader = ReplyReader()
+        waiter = reader.expect(1)
+        feed(reader, b"+OK\r\n$%d\r\n%s\r\n" % (len(BIG), BIG), [])  # the value lands in place
+        assert await waiter == ["OK"]
+        assert isinstance(reader.lost, RespError)
+
+    asyncio.run(main())
+
+
 def test_endpoint_reads_redis_and_unix_urls_and_declines_tls() -> None:
     assert endpoint("redis://127.0.0.1:7000/2") == {"host": "127.0.0.1", "port": 7000, "db": 2,
                                                     "username": None, "password": None}
