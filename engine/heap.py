@@ -4,15 +4,16 @@ A CPU forward allocates and frees activations of 1-25 MB per op (a 2k-token pref
 alone is 25 MB). glibc serves requests above ``M_MMAP_THRESHOLD`` (dynamic, 128 KiB up to 32 MiB)
 with fresh ``mmap``s and gives the top of the heap back to the kernel once more than
 ``M_TRIM_THRESHOLD`` is free; either way the next op writes into fresh pages, and every 4 KiB of
-them costs a page fault and zeroing. Measured in process on a 2-core AMD EPYC (SmolLM2 float32):
-15 prompts of 136 tokens in one step 3.76-3.99 s → 3.09-3.17 s, one 2,040-token prefill
-5.01-5.26 s → 4.30-4.33 s; element-wise ops (``mul``, ``silu``) ran 2.4× faster. Raising only one
-of the two thresholds did not help (docs/serving.md).
+them costs a page fault and zeroing. Measured in process on a 2-core AMD EPYC Zen 3 (SmolLM2
+float32): a step prefilling 15 prompts of 136 tokens took 376-388 thousand minor faults, after
+this call 0-13 thousand, and 3.98-4.49 s → 3.10-3.14 s; one 2,040-token prefill 4.88-5.62 s →
+4.17-4.30 s; element-wise ops (``mul``, ``silu``) ran 2.4× faster. Raising only one of the two
+thresholds did not help (docs/serving.md).
 
 `keep_heap_memory` serves every allocation up to 32 MiB (glibc's ceiling for the setting) from the
-heap and never trims it on its own: the process keeps its peak activation memory mapped, as
-vLLM keeps its buffers. Larger blocks (weights, the KV pool) are still ``mmap``ed, and an explicit
-``malloc_trim`` still returns free memory.
+heap and never trims it on its own: the process keeps its peak activation memory mapped.
+Larger blocks (weights, the KV pool) are still ``mmap``ed, and an explicit ``malloc_trim`` still
+returns free memory.
 """
 
 from __future__ import annotations
