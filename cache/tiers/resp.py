@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import numpy
 
@@ -32,23 +31,21 @@ class RespError(Exception):
 
 
 def endpoint(url: str) -> dict[str, Any] | None:
-    """Where and how to connect for ``redis://`` and ``unix://`` URLs ({host, port} or {path},
-    plus username, password, db); None for a URL this module does not handle (``rediss://``)."""
-    parts = urlsplit(url)
-    out: dict[str, Any] = {"username": unquote(parts.username) if parts.username else None,
-                           "password": unquote(parts.password) if parts.password else None, "db": 0}
-    if parts.scheme == "redis":
-        out.update(host=parts.hostname or "localhost", port=parts.port or 6379)
-        path = parts.path.strip("/")
-        if path:
-            out["db"] = int(path)
-    elif parts.scheme == "unix":
-        out["path"] = parts.path
-    else:
+    """Where and how to connect ({host, port} or {path}, plus username, password, db), read by
+    redis-py's own URL parser, so loads authenticate and select exactly as the tier's writes do;
+    None for a URL this module does not handle (``rediss://``: TLS stays with redis-py)."""
+    from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
+
+    options = parse_url(url)
+    kind = options.get("connection_class")
+    if kind is SSLConnection:
         return None
-    for name, value in (pair.split("=", 1) for pair in parts.query.split("&") if "=" in pair):
-        if name == "db":
-            out["db"] = int(value)
+    out: dict[str, Any] = {"username": options.get("username"), "password": options.get("password"),
+                           "db": int(options.get("db") or 0)}
+    if kind is UnixDomainSocketConnection:
+        out["path"] = options["path"]
+    else:
+        out.update(host=options.get("host") or "localhost", port=int(options.get("port") or 6379))
     return out
 
 
@@ -213,15 +210,6 @@ class GetPipe:
     async def get(self, keys: Sequence[str]) -> list[memoryview | None]:
         """Values of ``keys`` (None: no such key, or not a string); raises on a broken or
         refused connection, leaving the pipe to reconnect on the next call."""
-        replies = await self._pipeline(b"GET", keys)
-        return [r if isinstance(r, memoryview) else None for r in replies]
-
-    async def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each of ``keys`` exists (one ``EXISTS`` per key, pipelined)."""
-        replies = await self._pipeline(b"EXISTS", keys)
-        return [r == 1 for r in replies]
-
-    async def _pipeline(self, name: bytes, keys: Sequence[str]) -> list[Any]:
         if not keys:
             return []
         async with self._lock:
@@ -229,11 +217,12 @@ class GetPipe:
                 reader = await self._connected()
                 waiter = reader.expect(len(keys))
                 assert isinstance(reader.transport, asyncio.WriteTransport)
-                reader.transport.write(b"".join(command(name, k.encode()) for k in keys))
-                return await waiter
+                reader.transport.write(b"".join(command(b"GET", k.encode()) for k in keys))
+                replies = await waiter
             except BaseException:  # a timeout or cancellation leaves replies in flight: start over
                 self.close()
                 raise
+        return [r if isinstance(r, memoryview) else None for r in replies]
 
     async def _connected(self) -> ReplyReader:
         if self._reader is not None and self._reader.lost is None:

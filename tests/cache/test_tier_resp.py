@@ -134,6 +134,9 @@ def test_a_large_value_nobody_asked_for_marks_the_connection_unusable() -> None:
 def test_endpoint_reads_redis_and_unix_urls_and_declines_tls() -> None:
     assert endpoint("redis://127.0.0.1:7000/2") == {"host": "127.0.0.1", "port": 7000, "db": 2,
                                                     "username": None, "password": None}
+    # as redis-py reads it (the tier's writes connect with redis-py): a password given as a query option
+    assert endpoint("redis://h?password=pw&db=4") == {"host": "h", "port": 6379, "db": 4,
+                                                       "username": None, "password": "pw"}
     assert endpoint("redis://u%40x:p%3Aw@h") == {"host": "h", "port": 6379, "db": 0, "username": "u@x", "password": "p:w"}
     assert endpoint("unix:///run/redis.sock?db=3") == {"path": "/run/redis.sock", "db": 3,
                                                         "username": None, "password": None}
@@ -159,7 +162,6 @@ def test_pipelined_gets_against_a_real_server(redis_url, redis_server) -> None:
         try:
             got = await pipe.get(["kvg-test:big", "kvg-test:missing", "kvg-test:small", "kvg-test:list"])
             assert [bytes(v) if v is not None else None for v in got] == [BIG, None, b"x", None]
-            assert await pipe.exists(["kvg-test:big", "kvg-test:missing", "kvg-test:list"]) == [True, False, True]
             for _ in range(3):  # the connection is reused
                 assert bytes((await pipe.get(["kvg-test:small"]))[0]) == b"x"
             assert await pipe.get([]) == []
