@@ -8,10 +8,8 @@ enforces the body size limit in a small ASGI middleware that never buffers more 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import math
-import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.protocol import ErrorDetail, ErrorResponse
 from engine.errors import EngineError, EngineNotReadyError, EngineOverloadedError
+from engine.heap import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -174,22 +173,6 @@ def install_exception_handlers(app: FastAPI) -> None:
 
 
 TRIM_AFTER_BYTES = 1 << 20  # bodies this large are followed by a malloc_trim (see below)
-_LIBC: Any = None
-if sys.platform.startswith("linux"):
-    try:
-        _LIBC = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (e.g. musl): nothing to trim
-        _LIBC = None
-
-
-def release_freed_memory() -> bool:
-    """`malloc_trim(0)` where glibc is the allocator; False elsewhere."""
-    trim = getattr(_LIBC, "malloc_trim", None)
-    if trim is None:
-        return False
-    trim(0)
-    return True
-
 
 class BodySizeLimitMiddleware:
     """Reject request bodies over `max_bytes` with 413 before the app reads them.

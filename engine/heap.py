@@ -1,4 +1,4 @@
-"""Keep freed heap memory mapped in the process that runs the model (glibc only).
+"""glibc heap control: keep freed memory mapped in the process that runs the model, or give it back.
 
 A CPU forward allocates and frees activations of 1-25 MB per op (a 2k-token prefill's MLP output
 alone is 25 MB). glibc serves requests above ``M_MMAP_THRESHOLD`` (dynamic, 128 KiB up to 32 MiB)
@@ -10,10 +10,10 @@ this call 0-13 thousand, and 3.98-4.49 s → 3.10-3.14 s; one 2,040-token prefil
 4.17-4.30 s; element-wise ops (``mul``, ``silu``) ran 2.4× faster. Raising only one of the two
 thresholds did not help (docs/serving.md).
 
-`keep_heap_memory` serves every allocation up to 32 MiB (glibc's ceiling for the setting) from the
+`keep_heap_memory` (the engine, at start) serves every allocation up to 32 MiB (glibc's ceiling for the setting) from the
 heap and never trims it on its own: the process keeps its peak activation memory mapped.
 Larger blocks (weights, the KV pool) are still ``mmap``ed, and an explicit ``malloc_trim`` still
-returns free memory.
+returns free memory: `release_freed_memory`, which the API process calls after multi-MB request bodies.
 """
 
 from __future__ import annotations
@@ -28,20 +28,31 @@ MMAP_THRESHOLD_BYTES = 32 << 20  # glibc refuses more (HEAP_MAX_SIZE / 2 on 64-b
 TRIM_THRESHOLD_BYTES = (1 << 31) - 1  # mallopt takes an int: ~2 GiB, i.e. never in practice
 
 
-def _libc() -> Any:
+def _glibc() -> Any:
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (musl): its allocator has no such thresholds
+    except OSError:  # not glibc (musl): no such allocator controls
         return None
-    return libc if hasattr(libc, "mallopt") else None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _glibc()
 
 
 def keep_heap_memory() -> bool:
     """Set both thresholds for this process; True where glibc accepted them."""
-    libc = _libc()
-    if libc is None:
+    if _LIBC is None:
         return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
-        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    return bool(_LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        _LIBC.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def release_freed_memory() -> bool:
+    """`malloc_trim(0)`: give free heap memory back to the kernel now (the API process calls it
+    after multi-MB request bodies); False where glibc is not the allocator."""
+    if _LIBC is None:
+        return False
+    _LIBC.malloc_trim(0)
+    return True
