@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -121,7 +122,8 @@ def _calibration_layers(model: nn.Module, packed: list[PackedLinear]) -> list[Pa
     decoder shape over all its rows but the head over the last row only. (Timing the largest
     layer alone picked the head, and on an AMD EPYC Zen 3 that chose oneDNN where MKL runs the
     decoder's shapes 10 % faster at 2,040 rows.)"""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     by_shape: dict[tuple[int, int], PackedLinear] = {}
     for layer in packed:
         if layer is not head:
@@ -134,16 +136,17 @@ def _calibrate(layers: list[PackedLinear], repeats: int = 3) -> int | None:
     (per layer, best of ``repeats``; summed): `_MKL_ROWS` (MKL from there on) if MKL is faster,
     else None (oneDNN for every size)."""
     gen = torch.Generator().manual_seed(0)
-    total = {"onednn": 0.0, "mkl": 0.0}
+    kernels: dict[str, Callable[[PackedLinear, torch.Tensor], torch.Tensor]] = {
+        "onednn": lambda layer, x: layer.onednn(x), "mkl": lambda layer, x: F.linear(x, layer.weight, layer.bias)}
+    total = dict.fromkeys(kernels, 0.0)
     with torch.inference_mode():
         for layer in layers:
             x = torch.randn(_CALIBRATION_ROWS, layer.in_features, dtype=layer.weight.dtype, generator=gen)
-            kernels = {"onednn": lambda: layer.onednn(x), "mkl": lambda: F.linear(x, layer.weight, layer.bias)}
             best = dict.fromkeys(kernels, float("inf"))
-            for _ in range(repeats):
+            for _ in range(repeats):  # the kernels alternate, so a busy moment hits both
                 for name, run in kernels.items():
                     t0 = time.perf_counter()
-                    run()
+                    run(layer, x)
                     best[name] = min(best[name], time.perf_counter() - t0)
             for name in total:
                 total[name] += best[name]

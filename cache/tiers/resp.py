@@ -164,7 +164,7 @@ class ReplyReader(asyncio.BufferedProtocol):
             elif self.max_value is not None and size > self.max_value:
                 self._discard = size
             else:
-                self._value, self._filled = memoryview(numpy.empty(size, dtype=numpy.uint8)).cast("B"), 0
+                self._value, self._filled = numpy.empty(size, dtype=numpy.uint8).data, 0
                 if size == 0:
                     self._finish_value()
         elif kind == b"+":
