@@ -27,6 +27,13 @@ RUN if ! python3 -c "import ensurepip, venv" 2>/dev/null; then \
         && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
         && rm -rf /var/lib/apt/lists/*; \
     fi
+# The native CPU kernels (engine/csrc) are compiled at the first start with the machine's C++
+# compiler, into /data/kernels (on the volume: one build per CPU type, reused by later starts).
+# Without g++ the engine runs PyTorch's slower attention path instead (docs/engine.md).
+# steps: docker-only
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 # steps: docker-only
 RUN groupadd --system --gid 10001 kvgate \
     && useradd --system --uid 10001 --gid kvgate --home-dir /home/kvgate --create-home --shell /usr/sbin/nologin kvgate

@@ -33,7 +33,8 @@ configuration:
   max_body_bytes/shutdown_timeout_s/max_fanout (most engine sequences one request may start,
   prompts x n; default 128)/docs (public|auth|off: /docs and /openapi.json; default public,
   auth once tenants exist), [engine] device/max_num_seqs/max_num_batched_tokens/
-  num_threads/enable_prefix_caching/pack_weights/metrics (TTFT parts and block lives in
+  num_threads/enable_prefix_caching/pack_weights/native_kernels (CPU paged-attention
+  kernel, built once with the machine's C++ compiler)/metrics (TTFT parts and block lives in
   /admin/metrics; default true), [cache] block_size/eviction (lru|s3fifo),
   [cache.device] num_blocks, [cache.host] capacity_mb (0 = off), [cache.disk] path/capacity_mb
   (0 = off), [cache.remote] url/cluster/ttl_s/write (through|back; section absent = off),
@@ -42,7 +43,10 @@ configuration:
 
 environment:
   KVGATE_CONFIG     config file when --config is absent
-  KVGATE_CACHE_DIR  cache folder (models, server secret, disk KV tier); default ~/.cache/kvgate
+  KVGATE_CACHE_DIR  cache folder (models, server secret, disk KV tier, CPU kernel builds);
+                    default ~/.cache/kvgate
+  KVGATE_KERNEL_DIR where the native CPU kernels are built (default <KVGATE_CACHE_DIR>/kernels)
+  CXX               C++ compiler for those kernels (default c++ or g++ on PATH)
   KVGATE_SECRET     server secret for tenant salts when [server] secret is absent
   HF_HUB_OFFLINE=1  a hub id is served only from the local Hugging Face cache (no network)
 

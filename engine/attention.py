@@ -5,8 +5,10 @@ prefill chunks) and passes an ``AttentionMetadata`` as the ``kvgate`` keyword ar
 transformers forwards to the registered attention function of every layer. Per layer:
 
     1. write the T new K/V rows into their slots:  kv[block, layer, K|V, offset] = k/v
-    2. decodes:  one batched SDPA over their gathered block tables, padded, masked by length
-    3. prefills: one SDPA each over the chunk's queries and its whole context (cached + new)
+    2. with the native CPU kernel (engine.kernels): decodes and short prefill chunks in one call
+       that reads K/V in place in the pool (``PagedRows``)
+    3. otherwise decodes: one batched SDPA over their gathered block tables, padded, masked by length
+    4. prefills: one SDPA each over the chunk's queries and its whole context (cached + new)
 
 All writes of a layer happen before any read, so a sequence may hit blocks that another
 sequence in the same step is computing (n > 1 siblings, identical prompts).
@@ -14,6 +16,7 @@ sequence in the same step is computing (n > 1 siblings, identical prompts).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +26,11 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from cache.kv_storage import KVStorage
 
 ATTN_IMPLEMENTATION = "kvgate_paged"
+# The native kernel takes prefill chunks of up to this many rows (past it PyTorch's flash attention
+# is faster: measured 5 rows 1.0 → 0.6 ms, 16 rows 1.0 → 1.6 ms per layer at 2k context) and cuts
+# contexts into splits of this many keys (a split's K/V stay in L2; 128-256 measured best).
+KERNEL_MAX_ROWS = 8
+KERNEL_SPLIT_TOKENS = 256
 
 
 @dataclass(slots=True)
@@ -40,6 +48,20 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class PagedRows:
+    """Spans computed by the native kernel: span s owns query rows q_start[s]..q_start[s+1]-1 of
+    the kernel's input, its context is ctx_lens[s] tokens in blocks tables[s]. ``index`` lists
+    their flat rows when those are not simply the first ``num_rows``."""
+
+    op: Callable[..., torch.Tensor]
+    num_rows: int
+    tables: torch.Tensor
+    q_start: torch.Tensor
+    ctx_lens: torch.Tensor
+    index: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything one step's attention needs, built once per step and shared by all layers."""
 
@@ -50,6 +72,7 @@ class AttentionMetadata:
     decode_tables: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
+    paged: PagedRows | None = None
 
 
 def paged_attention_forward(
@@ -79,6 +102,16 @@ def paged_attention_forward(
     num_heads, total, head_dim = query.shape[1], query.shape[2], query.shape[3]
     kv_heads = key.shape[1]
     out = query.new_empty((total, num_heads, head_dim))
+    if meta.paged is not None:
+        p = meta.paged
+        rows = query[0].transpose(0, 1)
+        q = rows[: p.num_rows] if p.index is None else rows.index_select(0, p.index)
+        scale = scaling if scaling is not None else head_dim ** -0.5
+        o = p.op(q.contiguous(), k_cache, v_cache, p.tables, p.q_start, p.ctx_lens, scale, KERNEL_SPLIT_TOKENS)
+        if p.index is None:
+            out[: p.num_rows] = o
+        else:
+            out.index_copy_(0, p.index, o)
     nd = meta.num_decodes
     if nd:
         assert meta.decode_tables is not None

@@ -6,21 +6,24 @@ Only the tokens that lack KV are fed to the model; the prefix is read from the p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from cache.kv_storage import KVStorage
 from engine import attention
-from engine.attention import AttentionMetadata, PrefillSpan
+from engine.attention import KERNEL_MAX_ROWS, AttentionMetadata, PagedRows, PrefillSpan
 
 
 class ModelRunner:
     """Owns the model's forward pass over a ``KVStorage``; stateless between steps."""
 
-    def __init__(self, model: Any, storage: KVStorage) -> None:
+    def __init__(self, model: Any, storage: KVStorage, paged_kernel: Callable[..., torch.Tensor] | None = None) -> None:
+        """``paged_kernel``: the native paged-attention op (engine.kernels) for decodes and short
+        prefill chunks; None runs every row through PyTorch's SDPA."""
         self.model = model
+        self.paged_kernel = paged_kernel
         self.storage = storage
         self.block_size = storage.block_size
         self.device = storage.device
@@ -67,6 +70,7 @@ class ModelRunner:
         decode_tables: list[Sequence[int]] = []
         decode_lens: list[int] = []
         prefills: list[tuple[int, int, int, Sequence[int]]] = []
+        kernel_spans: list[tuple[int, int, int, Sequence[int]]] = []  # (offset, n, ctx, blocks)
         for toks, start, table in zip(token_ids, starts, block_tables, strict=True):
             n = len(toks)
             offset = len(flat_tokens)
@@ -76,18 +80,23 @@ class ModelRunner:
             slot_blocks.extend(table[p // bs] for p in positions)
             slot_offsets.extend(p % bs for p in positions)
             last_index.append(offset + n - 1)
-            if n == 1:
+            blocks = table[: -(-(start + n) // bs)]
+            if self.paged_kernel is not None and n <= KERNEL_MAX_ROWS:
+                kernel_spans.append((offset, n, start + n, blocks))
+            elif n == 1:
                 assert not prefills, "decode rows must precede prefill rows"
-                decode_tables.append(table[: (start // bs) + 1])
+                decode_tables.append(blocks)
                 decode_lens.append(start + 1)
             else:
-                prefills.append((offset, n, start, table[: -(-(start + n) // bs)]))
+                prefills.append((offset, n, start, blocks))
         dev = self.device
         meta = AttentionMetadata(
             storage=self.storage,
             slot_blocks=torch.tensor(slot_blocks, device=dev),
             slot_offsets=torch.tensor(slot_offsets, device=dev),
         )
+        if kernel_spans:
+            meta.paged = self._paged_rows(kernel_spans)
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             padded = [list(t) + [0] * (width - len(t)) for t in decode_tables]
@@ -107,3 +116,20 @@ class ModelRunner:
         input_ids = torch.tensor([flat_tokens], device=dev)
         positions_t = torch.tensor([flat_pos], device=dev)
         return meta, input_ids, positions_t, last_index
+
+    def _paged_rows(self, spans: list[tuple[int, int, int, Sequence[int]]]) -> PagedRows:
+        assert self.paged_kernel is not None
+        dev = self.device
+        width = max(len(blocks) for _, _, _, blocks in spans)
+        q_start = [0]
+        rows: list[int] = []
+        for offset, n, _, _ in spans:
+            q_start.append(q_start[-1] + n)
+            rows.extend(range(offset, offset + n))
+        prefix = rows == list(range(len(rows)))
+        return PagedRows(
+            op=self.paged_kernel, num_rows=len(rows),
+            tables=torch.tensor([list(b) + [0] * (width - len(b)) for _, _, _, b in spans], dtype=torch.long, device=dev),
+            q_start=torch.tensor(q_start, dtype=torch.long, device=dev),
+            ctx_lens=torch.tensor([ctx for _, _, ctx, _ in spans], dtype=torch.long, device=dev),
+            index=None if prefix else torch.tensor(rows, dtype=torch.long, device=dev))

@@ -20,6 +20,12 @@ if os.environ.get("CI"):
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes more than a few seconds (still runs by default)")
+    # Every engine of the run (servers with private cache folders included) loads the native CPU
+    # kernels from one build, made here once instead of inside a server's start-up timeout.
+    from engine import kernels
+
+    os.environ.setdefault("KVGATE_KERNEL_DIR", str(kernels.build_dir().parent))
+    kernels.load()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,155 @@
+"""The native paged-attention kernel: the same attention as PyTorch's SDPA over gathered blocks,
+for every span shape the runner gives it, and a clean fallback where it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import kernels
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.model import load_model
+from engine.outputs import GenerateRequest
+from engine.sampling_params import SamplingParams
+
+op = kernels.load()
+needs_kernel = pytest.mark.skipif(op is None, reason="the native kernel cannot be built here (no C++ compiler)")
+
+BS = 16
+
+
+def _pool(kv_heads: int, head_dim: int, num_blocks: int = 64, layers: int = 3, seed: int = 0):
+    """A KV pool laid out as KVStorage's ([block, layer, K|V, offset, head, dim]); layer 1's views."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(num_blocks, layers, 2, BS, kv_heads, head_dim, generator=gen)
+    return kv[:, 1, 0], kv[:, 1, 1]
+
+
+def _reference(q, k_cache, v_cache, tables, q_start, ctx_lens, scale):
+    """Gather each span's context and run SDPA with a causal mask at the rows' positions."""
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    outs = []
+    for s in range(len(ctx_lens)):
+        n, ctx = int(q_start[s + 1] - q_start[s]), int(ctx_lens[s])
+        blocks = tables[s][: -(-ctx // BS)]
+        k = k_cache.index_select(0, blocks).reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
+        v = v_cache.index_select(0, blocks).reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
+        rows = q[int(q_start[s]) : int(q_start[s + 1])].transpose(0, 1)[None]
+        positions = torch.arange(ctx - n, ctx)
+        mask = (torch.arange(ctx)[None, :] <= positions[:, None])[None, None]
+        o = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _run(spans: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, split: int, seed: int):
+    k_cache, v_cache = _pool(kv_heads, head_dim, seed=seed)
+    rng = random.Random(seed)
+    width = max(-(-ctx // BS) for _, ctx in spans)
+    ids = list(range(k_cache.shape[0]))
+    tables = torch.tensor([rng.sample(ids, width) for _ in spans], dtype=torch.long)
+    q_start = torch.tensor([0] + [n for n, _ in spans]).cumsum(0)
+    ctx_lens = torch.tensor([ctx for _, ctx in spans])
+    q = torch.randn(int(q_start[-1]), heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
+    scale = head_dim ** -0.5
+    got = op(q, k_cache, v_cache, tables, q_start, ctx_lens, scale, split)
+    return got, _reference(q, k_cache, v_cache, tables, q_start, ctx_lens, scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 48), (6, 1, 128)])
+def test_kernel_matches_sdpa_over_gathered_blocks(heads: int, kv_heads: int, head_dim: int) -> None:
+    # decodes at every block boundary, a short chunk, one row with a one-token context
+    spans = [(1, 1), (1, 15), (1, 16), (1, 17), (5, 40), (8, 300), (1, 600)]
+    got, expected = _run(spans, heads, kv_heads, head_dim, split=64, seed=heads)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spans=st.lists(st.integers(1, 8).flatmap(lambda n: st.tuples(st.just(n), st.integers(n, 400))),
+                      min_size=1, max_size=6),
+       split=st.sampled_from([1, 7, 16, 100, 256, 4096]), seed=st.integers(0, 1000))
+def test_kernel_matches_sdpa_for_any_spans_and_split(spans: list[tuple[int, int]], split: int, seed: int) -> None:
+    got, expected = _run(spans, 9, 3, 64, split, seed)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_rejects_inconsistent_input_with_a_clear_error() -> None:
+    k_cache, v_cache = _pool(3, 64)
+    q = torch.randn(2, 9, 64)
+    tables = torch.tensor([[0, 1]], dtype=torch.long)
+    with pytest.raises(RuntimeError, match="do not fit its table"):  # 40 tokens in two blocks
+        op(q, k_cache, v_cache, tables, torch.tensor([0, 2]), torch.tensor([40]), 0.125, 64)
+    with pytest.raises(RuntimeError, match="out of range"):
+        op(q, k_cache, v_cache, torch.tensor([[0, 999]]), torch.tensor([0, 2]), torch.tensor([20]), 0.125, 64)
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        op(torch.randn(2, 8, 64), k_cache, v_cache, tables, torch.tensor([0, 2]), torch.tensor([20]), 0.125, 64)
+
+
+@needs_kernel
+def test_engine_outputs_and_logits_are_the_same_with_and_without_the_kernel(tiny_model_dir) -> None:
+    """Decodes, a prefix hit with a short suffix (a kernel chunk) and a long prefill, both ways."""
+    rng = random.Random(3)
+    cores = {}
+    outputs = {}
+    for native in (True, False):
+        core = EngineCore(EngineConfig(model="tiny", num_blocks=128, max_num_batched_tokens=512,
+                                       native_kernels=native), loaded=load_model(str(tiny_model_dir)))
+        assert (core.runner.paged_kernel is not None) is native
+        rng = random.Random(3)
+        doc = [rng.randrange(3, core.vocab_size) for _ in range(90)]
+        prompts = [doc, doc + [5, 6, 7], [rng.randrange(3, core.vocab_size) for _ in range(40)], doc[:33]]
+        out: dict[str, list[int]] = {}
+        for i, ids in enumerate(prompts):
+            core.add_request(GenerateRequest(str(i), list(ids),
+                                             SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
+            while core.has_work():
+                for o in core.step():
+                    out.setdefault(o.request_id, []).append(o.token_id)
+        assert core.counters.cached_prompt_tokens >= 80  # the suffix prompt hit the document's blocks
+        cores[native], outputs[native] = core, out
+    assert outputs[True] == outputs[False] and len(outputs[True]) == 4
+
+    # the logits themselves, for a step mixing decode rows and a 6-row chunk over a cached context
+    tables = [[0, 1, 2], [3], [4, 5]]
+    ids = [[11], [12], [13, 14, 15, 16, 17, 18]]
+    starts = [40, 9, 20]
+    core = cores[True]
+    a = core.runner.execute(ids, starts, tables, [0, 1, 2])
+    core.runner.paged_kernel = None
+    b = core.runner.execute(ids, starts, tables, [0, 1, 2])
+    core.runner.paged_kernel = op
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_without_a_compiler_the_engine_falls_back_and_says_why(monkeypatch, tmp_path, caplog) -> None:
+    monkeypatch.setenv("KVGATE_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")  # a "compiler" that fails
+    with caplog.at_level(logging.WARNING, logger="engine.kernels"):
+        assert kernels._build_and_load() is None
+    assert "could not build or load" in caplog.text and "slower PyTorch path" in caplog.text
+    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob(".build-*"))  # nothing half-built left
+
+
+def test_a_build_is_kept_per_cpu_and_source(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("KVGATE_KERNEL_DIR", raising=False)
+    monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path))
+    first = kernels.build_dir()
+    assert first.parent == tmp_path / "kernels"
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "fpu sse2")
+    assert kernels.build_dir() != first and kernels.build_dir().parent == first.parent
+
+
+def test_engine_without_native_kernels_uses_the_pytorch_path(tiny_model_dir) -> None:
+    core = EngineCore(EngineConfig(model=str(tiny_model_dir), num_blocks=32, native_kernels=False))
+    assert core.runner.paged_kernel is None
