@@ -33,8 +33,9 @@ configuration:
   max_body_bytes/shutdown_timeout_s/max_fanout (most engine sequences one request may start,
   prompts x n; default 128)/docs (public|auth|off: /docs and /openapi.json; default public,
   auth once tenants exist), [engine] device/max_num_seqs/max_num_batched_tokens/
-  num_threads/enable_prefix_caching/pack_weights/native_kernels (CPU paged-attention
-  kernel, built once with the machine's C++ compiler)/metrics (TTFT parts and block lives in
+  num_threads/enable_prefix_caching/pack_weights/native_kernels (CPU attention kernel and
+  fused ops, built once with the machine's C++ compiler)/fast_decoder (Llama-family layers
+  without transformers' modules)/metrics (TTFT parts and block lives in
   /admin/metrics; default true), [cache] block_size/eviction (lru|s3fifo),
   [cache.device] num_blocks, [cache.host] capacity_mb (0 = off), [cache.disk] path/capacity_mb
   (0 = off), [cache.remote] url/cluster/ttl_s/write (through|back; section absent = off),

@@ -70,7 +70,8 @@ class EngineSettings(_Section):
     num_threads: int | None = Field(default=None, gt=0)
     enable_prefix_caching: bool = True
     pack_weights: bool = True
-    native_kernels: bool = True  # CPU float32: KVGate's paged-attention kernel (built once with the machine's g++)
+    native_kernels: bool = True  # CPU float32: KVGate's paged-attention kernel and fused ops (built once with g++)
+    fast_decoder: bool = True  # Llama-family layers run by engine.fast_decoder instead of transformers' modules
     metrics: bool = True  # the detailed engine metrics (TTFT parts, block lives); off only to measure their cost
 
 
@@ -201,6 +202,7 @@ class Settings(_Section):
                 num_threads=self.engine.num_threads,
                 pack_weights=self.engine.pack_weights,
                 native_kernels=self.engine.native_kernels,
+                fast_decoder=self.engine.fast_decoder,
                 metrics=self.engine.metrics,
                 host_cache_mb=self.cache.host.capacity_mb,
                 disk_cache_path=self.cache.disk.resolved_path() if self.cache.disk.capacity_mb > 0 else None,

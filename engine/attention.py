@@ -89,23 +89,32 @@ def paged_attention_forward(
     """Attention over paged KV; ``query`` is [1, Hq, T, D], ``key``/``value`` [1, Hkv, T, D]."""
     if kvgate is None:
         raise RuntimeError("kvgate paged attention called without metadata; run the model through ModelRunner")
-    meta = kvgate
     layer = int(module.layer_idx)  # type: ignore[arg-type]
-    storage = meta.storage
-    k_cache = storage.keys(layer)
-    v_cache = storage.values(layer)
     k_new = key[0].transpose(0, 1)
     v_new = value[0].transpose(0, 1)
-    k_cache[meta.slot_blocks, meta.slot_offsets] = k_new
-    v_cache[meta.slot_blocks, meta.slot_offsets] = v_new
+    write_kv(kvgate, layer, k_new, v_new)
+    out = attend(kvgate, layer, query[0].transpose(0, 1), k_new, v_new, scaling)
+    return out.unsqueeze(0), None
 
-    num_heads, total, head_dim = query.shape[1], query.shape[2], query.shape[3]
+
+def write_kv(meta: AttentionMetadata, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Store the step's new K/V rows ([T, Hkv, D] each) in their slots of layer ``layer``."""
+    meta.storage.keys(layer)[meta.slot_blocks, meta.slot_offsets] = key
+    meta.storage.values(layer)[meta.slot_blocks, meta.slot_offsets] = value
+
+
+def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           scaling: float | None) -> torch.Tensor:
+    """Attention of layer ``layer`` for every row of the step: ``query`` [T, Hq, D], the step's own
+    ``key``/``value`` [T, Hkv, D] (already written to the pool); returns [T, Hq, D]."""
+    k_cache = meta.storage.keys(layer)
+    v_cache = meta.storage.values(layer)
+    total, num_heads, head_dim = query.shape
     kv_heads = key.shape[1]
     out = query.new_empty((total, num_heads, head_dim))
     if meta.paged is not None:
         p = meta.paged
-        rows = query[0].transpose(0, 1)
-        q = rows[: p.num_rows] if p.index is None else rows.index_select(0, p.index)
+        q = query[: p.num_rows] if p.index is None else query.index_select(0, p.index)
         scale = scaling if scaling is not None else head_dim ** -0.5
         o = p.op(q.contiguous(), k_cache, v_cache, p.tables, p.q_start, p.ctx_lens, scale, KERNEL_SPLIT_TOKENS)
         if p.index is None:
@@ -115,17 +124,17 @@ def paged_attention_forward(
     nd = meta.num_decodes
     if nd:
         assert meta.decode_tables is not None
-        q = query[0, :, :nd].transpose(0, 1).unsqueeze(2)
+        q = query[:nd].unsqueeze(2)
         flat = meta.decode_tables.view(-1)  # index_select is ~7x faster than advanced indexing here
         k = k_cache.index_select(0, flat).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
         v = v_cache.index_select(0, flat).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True)
         out[:nd] = o.squeeze(2)
     for span in meta.prefills:
-        q = query[:, :, span.start : span.end]
+        q = query[span.start : span.end].transpose(0, 1).unsqueeze(0)
         if span.mask is None:
-            k = key[:, :, span.start : span.end]
-            v = value[:, :, span.start : span.end]
+            k = key[span.start : span.end].transpose(0, 1).unsqueeze(0)
+            v = value[span.start : span.end].transpose(0, 1).unsqueeze(0)
         else:
             k = k_cache.index_select(0, span.block_ids).view(1, -1, kv_heads, head_dim)[:, : span.ctx_len]
             v = v_cache.index_select(0, span.block_ids).view(1, -1, kv_heads, head_dim)[:, : span.ctx_len]
@@ -133,7 +142,7 @@ def paged_attention_forward(
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=span.mask, is_causal=span.mask is None, scale=scaling, enable_gqa=True)
         out[span.start : span.end] = o[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:

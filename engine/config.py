@@ -28,7 +28,8 @@ class EngineConfig:
     served_model_name: str | None = None
     num_threads: int | None = None
     pack_weights: bool = True  # CPU: oneDNN pre-packed linear layers (engine.packing)
-    native_kernels: bool = True  # CPU float32: the paged-attention kernel built from engine/csrc
+    native_kernels: bool = True  # CPU float32: the paged-attention kernel and fused ops built from engine/csrc
+    fast_decoder: bool = True  # Llama-family models run through engine.fast_decoder, not transformers' modules
     metrics: bool = True  # per-request TTFT parts and block lives (gap metrics); counters stay on
     # Tiers below the device pool (cache.tiers): 0 / None = off. The server turns both on.
     host_cache_mb: int = 0

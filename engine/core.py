@@ -112,7 +112,7 @@ class EngineCore:
         chain = self._build_chain(config)
         if chain is not None:
             self._use_chain(chain)
-        self.runner = ModelRunner(self.loaded.model, self.storage, self._paged_kernel(config))
+        self.runner = ModelRunner(self.loaded.model, self.storage, self._native_ops(config), config.fast_decoder)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.counters = EngineCounters()
@@ -127,8 +127,8 @@ class EngineCore:
         logger.info("engine ready", extra={"model": self.loaded.name, "kv_pool_mb": self.storage.nbytes >> 20,
                                             "num_blocks": config.num_blocks, "block_size": config.block_size})
 
-    def _paged_kernel(self, config: EngineConfig) -> Any:
-        """The native paged-attention op where it applies (CPU, float32), built on first use."""
+    def _native_ops(self, config: EngineConfig) -> Any:
+        """The native CPU ops where they apply (CPU, float32), built on first use."""
         if not config.native_kernels or self.storage.device.type != "cpu" or self.storage.dtype != torch.float32:
             return None
         from engine import kernels

@@ -26,6 +26,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +36,22 @@ from engine.tiny_model import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp")]
 _CFLAGS = ["-O3", "-fopenmp", "-march=native"]
 _LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
-_loaded: dict[str, Callable[..., torch.Tensor] | None] = {}
+_loaded: dict[str, NativeOps | None] = {}
+
+
+@dataclass(frozen=True)
+class NativeOps:
+    """The ops of one loaded build (signatures in engine/csrc/*.cpp)."""
+
+    paged_attention: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor]
+    rope_write_kv: Callable[..., None]
+    silu_mul: Callable[..., torch.Tensor]
 
 
 def _cpu_flags() -> str:
@@ -59,7 +71,7 @@ def _compiler() -> str | None:
 def build_dir() -> Path:
     """Where this machine's build of the kernels lives (one folder per source/torch/CPU digest)."""
     digest = hashlib.blake2b(digest_size=8)
-    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), " ".join(_CFLAGS + _LDFLAGS).encode(),
+    for part in (*(source.read_bytes() for source in _SOURCES), torch.__version__.encode(), " ".join(_CFLAGS + _LDFLAGS).encode(),
                  (_compiler() or "").encode(),
                  _cpu_flags().encode(), platform.machine().encode()):
         digest.update(len(part).to_bytes(8, "little"))
@@ -68,16 +80,16 @@ def build_dir() -> Path:
     return (Path(base).expanduser() if base else cache_root() / "kernels") / digest.hexdigest()
 
 
-def load() -> Callable[..., torch.Tensor] | None:
-    """The `paged_attention` op, building it first if this machine has no build yet; None if it
-    cannot be built here (the reason is logged once per process)."""
+def load() -> NativeOps | None:
+    """The native ops, building them first if this machine has no build yet; None if they cannot
+    be built here (the reason is logged once per process)."""
     with _lock:
-        if "paged_attention" not in _loaded:
-            _loaded["paged_attention"] = _build_and_load()
-        return _loaded["paged_attention"]
+        if "ops" not in _loaded:
+            _loaded["ops"] = _build_and_load()
+        return _loaded["ops"]
 
 
-def _build_and_load() -> Callable[..., torch.Tensor] | None:
+def _build_and_load() -> NativeOps | None:
     if platform.system() != "Linux":
         logger.info("native CPU kernels are built on Linux only; using the PyTorch attention path")
         return None
@@ -92,14 +104,16 @@ def _build_and_load() -> Callable[..., torch.Tensor] | None:
         if not library.exists():
             _compile(compiler, folder, library)
         torch.ops.load_library(str(library))
-        op: Any = torch.ops.kvgate.paged_attention
+        ns: Any = torch.ops.kvgate
+        ops = NativeOps(paged_attention=ns.paged_attention, add_rms_norm=ns.add_rms_norm, rms_norm=ns.rms_norm,
+                        rope_write_kv=ns.rope_write_kv, silu_mul=ns.silu_mul)
     except Exception as exc:  # a compiler error, a missing header, a broken cache folder
         lines = str(exc).strip().splitlines() or [""]
         reason = next((line for line in lines if "error" in line), lines[0])
         logger.warning("could not build or load KVGate's native CPU kernels (%s: %s); decode steps use "
                        "the slower PyTorch path. Delete %s to rebuild.", type(exc).__name__, reason, folder)
         return None
-    return op
+    return ops
 
 
 def _compile(compiler: str, folder: Path, library: Path) -> None:
@@ -119,7 +133,7 @@ def _compile(compiler: str, folder: Path, library: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
     os.close(fd)
     command = [compiler, "-std=c++20", "-fPIC", "-shared", *_CFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
-               str(_SOURCE), "-o", tmp, *[f"-L{path}" for path in libs], "-lc10", "-ltorch_cpu", *_LDFLAGS]
+               *(str(source) for source in _SOURCES), "-o", tmp, *[f"-L{path}" for path in libs], "-lc10", "-ltorch_cpu", *_LDFLAGS]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if result.returncode != 0:

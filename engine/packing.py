@@ -33,8 +33,15 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in _DTYPES and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """oneDNN packing on this CPU: float32 anywhere oneDNN runs; bfloat16 only where oneDNN has
+    bf16 kernels (AVX-512 BF16/AVX-NE-CONVERT; elsewhere its reorder raises)."""
+    if not (device.type == "cpu" and dtype in _DTYPES and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if dtype == torch.bfloat16:
+        check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        return bool(check()) if check is not None else False
+    return True
 
 
 class PackedLinear(nn.Module):

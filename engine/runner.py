@@ -14,16 +14,23 @@ import torch
 from cache.kv_storage import KVStorage
 from engine import attention
 from engine.attention import KERNEL_MAX_ROWS, AttentionMetadata, PagedRows, PrefillSpan
+from engine.fast_decoder import FastDecoder
+from engine.kernels import NativeOps
 
 
 class ModelRunner:
     """Owns the model's forward pass over a ``KVStorage``; stateless between steps."""
 
-    def __init__(self, model: Any, storage: KVStorage, paged_kernel: Callable[..., torch.Tensor] | None = None) -> None:
-        """``paged_kernel``: the native paged-attention op (engine.kernels) for decodes and short
-        prefill chunks; None runs every row through PyTorch's SDPA."""
+    def __init__(self, model: Any, storage: KVStorage, native: NativeOps | None = None,
+                 fast_decoder: bool = True) -> None:
+        """``native``: the native CPU ops (engine.kernels): the paged-attention kernel for decodes
+        and short prefill chunks, fused element-wise steps; None runs PyTorch's ops only.
+        ``fast_decoder``: run Llama-family models through `FastDecoder` rather than transformers'
+        modules (same arithmetic, fewer ops)."""
         self.model = model
-        self.paged_kernel = paged_kernel
+        if storage.device.type != "cpu" or storage.dtype != torch.float32:
+            native = None  # the native ops are CPU float32 kernels
+        self.paged_kernel: Callable[..., torch.Tensor] | None = native.paged_attention if native is not None else None
         self.storage = storage
         self.block_size = storage.block_size
         self.device = storage.device
@@ -34,6 +41,9 @@ class ModelRunner:
             model.config._attn_implementation = impl
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
+        self.fast: FastDecoder | None = None
+        if fast_decoder and FastDecoder.unsupported(model) is None:
+            self.fast = FastDecoder(model, native)
 
     @torch.inference_mode()
     def execute(
@@ -50,9 +60,12 @@ class ModelRunner:
         come before multi-token rows.
         """
         meta, input_ids, positions, last_index = self._prepare(token_ids, starts, block_tables)
-        hidden = self.decoder(
-            input_ids=input_ids, position_ids=positions, use_cache=False, kvgate=meta
-        ).last_hidden_state[0]
+        if self.fast is not None:
+            hidden = self.fast(input_ids[0], positions[0], meta)
+        else:
+            hidden = self.decoder(
+                input_ids=input_ids, position_ids=positions, use_cache=False, kvgate=meta
+            ).last_hidden_state[0]
         if not sample_rows:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         rows = torch.tensor([last_index[r] for r in sample_rows], device=self.device)

@@ -277,7 +277,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 }  // namespace
 
-TORCH_LIBRARY(kvgate, m) {
+TORCH_LIBRARY_FRAGMENT(kvgate, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor q_start, "
         "Tensor ctx_lens, float scale, int split_tokens) -> Tensor");
 }

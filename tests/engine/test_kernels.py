@@ -19,7 +19,8 @@ from engine.model import load_model
 from engine.outputs import GenerateRequest
 from engine.sampling_params import SamplingParams
 
-op = kernels.load()
+ops = kernels.load()
+op = ops.paged_attention if ops is not None else None
 needs_kernel = pytest.mark.skipif(op is None, reason="the native kernel cannot be built here (no C++ compiler)")
 
 BS = 16
@@ -153,3 +154,48 @@ def test_a_build_is_kept_per_cpu_and_source(monkeypatch, tmp_path) -> None:
 def test_engine_without_native_kernels_uses_the_pytorch_path(tiny_model_dir) -> None:
     core = EngineCore(EngineConfig(model=str(tiny_model_dir), num_blocks=32, native_kernels=False))
     assert core.runner.paged_kernel is None
+
+
+needs_ops = pytest.mark.skipif(ops is None, reason="the native ops cannot be built here (no C++ compiler)")
+
+
+@needs_ops
+def test_fused_elementwise_ops_match_their_pytorch_formulas() -> None:
+    assert ops is not None
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(7, 2 * 40, generator=gen) * 30  # past exp's range on both sides
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+    x, residual, weight = torch.randn(5, 48, generator=gen), torch.randn(5, 48, generator=gen), torch.randn(48)
+    total = residual + x
+
+    def rms(t: torch.Tensor) -> torch.Tensor:
+        return weight * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    torch.testing.assert_close(ops.add_rms_norm(x, residual, weight, 1e-6), rms(total))
+    torch.testing.assert_close(residual, total)  # the residual stream now holds the sum
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), rms(x))
+
+
+@needs_ops
+def test_rope_write_kv_rotates_in_place_and_refuses_slots_outside_the_pool() -> None:
+    assert ops is not None
+    k_cache, v_cache = _pool(2, 8, num_blocks=4)
+    q, k, v = torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    angles = torch.randn(3, 4)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+
+    def rotated(t: torch.Tensor) -> torch.Tensor:
+        half = torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
+        return t * cos[:, None] + half * sin[:, None]
+
+    expected_q, expected_k = rotated(q), rotated(k)
+    blocks, offsets = torch.tensor([2, 2, 0]), torch.tensor([0, 15, 3])
+    ops.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, blocks, offsets)
+    torch.testing.assert_close(q, expected_q)
+    torch.testing.assert_close(k_cache[blocks, offsets], expected_k)
+    torch.testing.assert_close(v_cache[blocks, offsets], v)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, torch.tensor([2, 4, 0]), offsets)

@@ -1,0 +1,201 @@
+"""The decoder stack of a Llama-family model (Llama, Mistral, Qwen2) run without transformers'
+per-module Python, on the model's own weights.
+
+transformers' decoder layer spends a decode step's time in ~40 small ops and a dozen module
+calls per layer (RMSNorm alone is six ops); at 16 decode rows those cost more than the layer's
+attention. `FastDecoder` runs the same arithmetic as one short loop per layer:
+
+    x, residual = add_rms_norm(h, residual)          # residual add fused into the norm
+    q, k, v     = qkv(x)                             # q/k/v projections as one matmul
+    rope_write_kv(q, k, v)                           # rotary in place + K/V into the paged pool
+    h           = o_proj(attend(q, k, v))            # engine.attention (native kernel or SDPA)
+    x, residual = add_rms_norm(h, residual)
+    h           = down(silu_mul(gate_up(x)))
+
+With the native CPU ops (engine.kernels, float32) each fused step is one op; without them (no
+compiler, CUDA, bfloat16) the same steps run as the PyTorch ops transformers' modules use.
+Rotary cos/sin come from the model's own rotary module (so every RoPE scaling type transformers
+knows stays right). `FastDecoder.unsupported` says why a model cannot take this path (another
+architecture, an activation other than SiLU, q/k norms); the runner then keeps transformers'
+modules. Measured: docs/engine.md. The fused q/k/v weight is one more copy of those weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, attend, write_kv
+from engine.kernels import NativeOps
+from engine.packing import FusedGateUpMLP, PackedLinear
+
+_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+class _ConcatLinear(nn.Module):
+    """Several linear layers over one input as a single matmul (weights concatenated once)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, layers: list[Any]) -> None:
+        super().__init__()
+        weight = torch.cat([layer.weight for layer in layers]).detach()
+        biases: list[torch.Tensor | None] = [layer.bias for layer in layers]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else weight.new_zeros(layer.weight.shape[0])
+             for b, layer in zip(biases, layers, strict=True)])
+        if all(isinstance(layer, PackedLinear) for layer in layers):
+            packed = PackedLinear(weight, bias)
+            packed.mkl_rows = layers[0].mkl_rows  # type: ignore[assignment]
+            self.impl: nn.Module | None = packed
+        else:
+            self.impl = None
+            self.register_buffer("weight", weight)
+            self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl is not None:
+            return self.impl(x)
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(slots=True)
+class _Layer:
+    index: int
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qkv: nn.Module
+    o_proj: nn.Module
+    gate_up: nn.Module
+    down: nn.Module
+    scaling: float
+
+
+class FastDecoder:
+    """Callable as ``decoder(input_ids [T], positions [T], meta) -> hidden [T, hidden_size]``."""
+
+    def __init__(self, model: Any, native: NativeOps | None) -> None:
+        reason = self.unsupported(model)
+        if reason is not None:
+            raise ValueError(f"FastDecoder cannot run this model: {reason}")
+        decoder = model.get_decoder()
+        config = model.config
+        self.embed = decoder.embed_tokens
+        self.rotary = decoder.rotary_emb
+        self.final_norm = decoder.norm.weight
+        self.final_eps = float(decoder.norm.variance_epsilon)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
+        dtype = self.final_norm.dtype
+        self.native = native if native is not None and dtype == torch.float32 and \
+            self.final_norm.device.type == "cpu" else None
+        self.layers = [self._layer(i, layer) for i, layer in enumerate(decoder.layers)]
+
+    @staticmethod
+    def unsupported(model: Any) -> str | None:
+        """Why ``model`` cannot take the fast path, or None if it can."""
+        config = getattr(model, "config", None)
+        if getattr(config, "model_type", None) not in _ARCHITECTURES:
+            return f"model_type {getattr(config, 'model_type', None)!r} is not one of {_ARCHITECTURES}"
+        if getattr(config, "hidden_act", None) not in ("silu", "swish"):
+            return f"activation {getattr(config, 'hidden_act', None)!r} is not SiLU"
+        decoder = model.get_decoder()
+        for part in ("embed_tokens", "rotary_emb", "norm", "layers"):
+            if not hasattr(decoder, part):
+                return f"the decoder has no {part}"
+        for layer in decoder.layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            if attn is None or mlp is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                return "a layer lacks the q/k/v/o projections or the MLP"
+            if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+                return "the attention normalises q/k"
+            if not isinstance(mlp, FusedGateUpMLP) and not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+                return "the MLP is not a gated gate/up/down MLP"
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                if not hasattr(norm, "variance_epsilon") or getattr(norm, "weight", None) is None:
+                    return "a norm is not an RMSNorm with a weight"
+        return None
+
+    def _layer(self, index: int, layer: Any) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        gate_up: nn.Module
+        if isinstance(mlp, FusedGateUpMLP):
+            gate_up, down = mlp.gate_up, mlp.down
+        else:
+            gate_up, down = _ConcatLinear([mlp.gate_proj, mlp.up_proj]), mlp.down_proj
+        return _Layer(
+            index=index, input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+            eps=float(layer.input_layernorm.variance_epsilon),
+            qkv=_ConcatLinear([attn.q_proj, attn.k_proj, attn.v_proj]), o_proj=attn.o_proj,
+            gate_up=gate_up, down=down, scaling=float(getattr(attn, "scaling", self.head_dim ** -0.5)))
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        cos, sin = self.rotary(hidden.unsqueeze(0), positions.unsqueeze(0))
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        total = hidden.shape[0]
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        residual = hidden  # the embedding's own output: the adds below may write into it
+        x = self._rms_norm(hidden, None, self.layers[0].input_norm, self.layers[0].eps) if self.layers else hidden
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(x)
+            q = qkv[:, :q_width].view(total, self.num_heads, self.head_dim)
+            k = qkv[:, q_width : q_width + kv_width].view(total, self.num_kv_heads, self.head_dim)
+            v = qkv[:, q_width + kv_width :].view(total, self.num_kv_heads, self.head_dim)
+            self._rope_write_kv(meta, layer.index, q, k, v, cos, sin)
+            attn = attend(meta, layer.index, q, k, v, layer.scaling)
+            h = layer.o_proj(attn.view(total, q_width))
+            x = self._rms_norm(h, residual, layer.post_norm, layer.eps)
+            h = layer.down(self._silu_mul(layer.gate_up(x)))
+            if i + 1 < len(self.layers):
+                nxt = self.layers[i + 1]
+                x = self._rms_norm(h, residual, nxt.input_norm, nxt.eps)
+            else:
+                x = self._rms_norm(h, residual, self.final_norm, self.final_eps)
+        return x
+
+    # ---- the fused steps: native ops, or the PyTorch ops transformers' modules run ---------------
+
+    def _rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+        """``residual += x`` (when given), then RMSNorm of the sum (of ``x`` without a residual)."""
+        if self.native is not None:
+            if residual is None:
+                return self.native.rms_norm(x, weight, eps)
+            return self.native.add_rms_norm(x, residual, weight, eps)
+        if residual is not None:
+            residual.add_(x)
+            x = residual
+        dtype = x.dtype
+        y = x.to(torch.float32)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * y.to(dtype)
+
+    def _rope_write_kv(self, meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        if self.native is not None:
+            self.native.rope_write_kv(q, k, v, cos, sin, meta.storage.keys(layer), meta.storage.values(layer),
+                                      meta.slot_blocks, meta.slot_offsets)
+            return
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        q.copy_(q * c + _rotate_half(q) * s)
+        k.copy_(k * c + _rotate_half(k) * s)
+        write_kv(meta, layer, k, v)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

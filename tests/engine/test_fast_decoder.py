@@ -1,0 +1,80 @@
+"""FastDecoder: the same logits as transformers' own decoder modules, with and without the native
+ops, for steps that mix decodes, short and long prefill chunks; unsupported models keep HF's path."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cache.kv_storage import KVStorage
+from engine import kernels
+from engine.fast_decoder import FastDecoder
+from engine.model import load_model
+from engine.packing import pack_model
+from engine.runner import ModelRunner
+
+NATIVE = kernels.load()
+
+
+def _runner(tiny_model_dir, dtype: str = "float32", pack: bool = True, native=None, fast: bool = True):
+    loaded = load_model(str(tiny_model_dir), dtype=dtype, device="cpu")
+    if pack:
+        pack_model(loaded.model, loaded.device, loaded.dtype)
+    storage = KVStorage(64, loaded.num_layers, 16, loaded.num_kv_heads, loaded.head_dim, dtype=loaded.dtype,
+                        device=loaded.device)
+    return ModelRunner(loaded.model, storage, native, fast_decoder=fast)
+
+
+def _steps(vocab: int) -> list[tuple[list[list[int]], list[int], list[list[int]]]]:
+    """Two steps over one pool: a long prefill and a short one, then decodes with a 6-row chunk
+    over the first prompt's blocks and a 30-row chunk (flash attention) over the second's."""
+    rng = random.Random(0)
+    tok = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+    first = ([tok(40), tok(20)], [0, 0], [[0, 1, 2], [3, 4]])
+    second = ([[5], [6], tok(6), tok(30)], [40, 20, 40, 20], [[0, 1, 2], [3, 4], [0, 1, 2, 5], [3, 4, 6, 7]])
+    return [first, second]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-ops", "pytorch-ops"])
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "plain-linear"])
+def test_fast_decoder_gives_transformers_logits(tiny_model_dir, native: bool, pack: bool) -> None:
+    if native and NATIVE is None:
+        pytest.skip("the native ops cannot be built here")
+    fast = _runner(tiny_model_dir, pack=pack, native=NATIVE if native else None)
+    hf = _runner(tiny_model_dir, pack=pack, native=None, fast=False)
+    assert fast.fast is not None and (fast.fast.native is not None) is native and hf.fast is None
+    for ids, starts, tables in _steps(fast.model.config.vocab_size):
+        rows = list(range(len(ids)))
+        got = fast.execute(ids, starts, tables, rows)
+        expected = hf.execute(ids, starts, tables, rows)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    # both wrote the same K/V into their pools
+    torch.testing.assert_close(fast.storage.kv[:8], hf.storage.kv[:8], rtol=1e-5, atol=1e-5)
+
+
+def test_fast_decoder_in_bfloat16_matches_transformers(tiny_model_dir) -> None:
+    fast = _runner(tiny_model_dir, dtype="bfloat16", native=NATIVE)
+    hf = _runner(tiny_model_dir, dtype="bfloat16", fast=False)
+    assert fast.fast is not None and fast.fast.native is None  # the native ops are float32 only
+    for ids, starts, tables in _steps(fast.model.config.vocab_size):
+        rows = list(range(len(ids)))
+        torch.testing.assert_close(fast.execute(ids, starts, tables, rows), hf.execute(ids, starts, tables, rows),
+                                   rtol=0, atol=0)
+
+
+def test_unsupported_models_say_why_and_keep_transformers_modules(tiny_model_dir) -> None:
+    loaded = load_model(str(tiny_model_dir), device="cpu")
+    assert FastDecoder.unsupported(loaded.model) is None
+    loaded.model.config.hidden_act = "gelu"
+    assert "not SiLU" in (FastDecoder.unsupported(loaded.model) or "")
+    storage = KVStorage(8, loaded.num_layers, 16, loaded.num_kv_heads, loaded.head_dim)
+    assert ModelRunner(loaded.model, storage).fast is None
+    with pytest.raises(ValueError, match="not SiLU"):
+        FastDecoder(loaded.model, None)
+    loaded.model.config.hidden_act = "silu"
+    loaded.model.get_decoder().layers[0].self_attn.q_norm = torch.nn.Identity()
+    assert "normalises q/k" in (FastDecoder.unsupported(loaded.model) or "")
+    assert "not one of" in (FastDecoder.unsupported(SimpleNamespace(config=SimpleNamespace(model_type="gpt2"))) or "")
