@@ -37,7 +37,9 @@ from engine.tiny_model import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp")]
-_CFLAGS = ["-O3", "-fopenmp", "-march=native"]
+# -fno-trapping-math lets GCC vectorise loops with float compares (the exp clamps, masks); the
+# kernels never read floating-point exception flags.
+_CFLAGS = ["-O3", "-fopenmp", "-march=native", "-fno-trapping-math", "-fno-math-errno"]
 _LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _loaded: dict[str, NativeOps | None] = {}

@@ -142,8 +142,8 @@ void rope_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 
 // exp(x) for any float x, vectorizable (see paged_attention.cpp; clamped to the float range).
 inline float exp_any(float x) {
-  const float v = std::min(std::max(x, -87.0f), 88.0f);
-  const float k = std::nearbyint(v * 1.44269504088896341f);
+  const float v = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = v - k * 0.693145751953125f - k * 1.428606765330187e-06f;
   float p = 1.98412698e-04f;
   p = p * r + 1.38888889e-03f;
@@ -153,9 +153,7 @@ inline float exp_any(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
+  const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(k) + 127) << 23);
   return p * scale;
 }
 

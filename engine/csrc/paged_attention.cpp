@@ -41,8 +41,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 inline void exp_nonpositive(float* x, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    float v = std::max(x[i], -87.0f);
-    float k = std::nearbyint(v * 1.44269504088896341f);
+    const float v = x[i] < -87.0f ? -87.0f : x[i];
+    float k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     float r = v - k * 0.693145751953125f - k * 1.428606765330187e-06f;
     float p = 1.98412698e-04f;
     p = p * r + 1.38888889e-03f;
@@ -52,9 +52,7 @@ inline void exp_nonpositive(float* x, int64_t n) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
+    const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(k) + 127) << 23);
     x[i] = (x[i] == kNegInf) ? 0.0f : p * scale;
   }
 }
