@@ -98,6 +98,12 @@ class FastDecoder:
             self.final_norm.device.type == "cpu" else None
         self.layers = [self._layer(i, layer) for i, layer in enumerate(decoder.layers)]
 
+    def modules(self) -> list[nn.Module]:
+        """The modules this decoder made (the fused q/k/v and gate/up layers) and their children."""
+        made = [layer.qkv for layer in self.layers]
+        made += [layer.gate_up for layer in self.layers if isinstance(layer.gate_up, _ConcatLinear)]
+        return [m for module in made for m in module.modules()]
+
     @staticmethod
     def unsupported(model: Any) -> str | None:
         """Why ``model`` cannot take the fast path, or None if it can."""

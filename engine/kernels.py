@@ -6,6 +6,8 @@ context into a contiguous copy, each block read once per KV head for all the que
 share it. Measured on a 2-core AMD EPYC (docs/benchmarks.md): a 16-sequence decode layer at 176
 tokens of context 2.2 ms → 0.18 ms (gather + SDPA vs the kernel), 5 rows over 2,053 tokens
 1.0 → 0.6 ms. Long prefill chunks stay with PyTorch's flash attention, which is faster there.
+`fused_ops.cpp` holds the fused steps of engine.fast_decoder, `small_gemm.cpp` the few-row matmul
+of engine.packing's layers (docs/engine.md has the figures).
 
 The source is compiled by one call of the machine's C++ compiler (against torch's headers, no
 build system) the first time an engine starts (~15 s on 2 cores) into
@@ -36,7 +38,8 @@ from engine.tiny_model import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name
+            for name in ("paged_attention.cpp", "fused_ops.cpp", "small_gemm.cpp")]
 # -fno-trapping-math lets GCC vectorise loops with float compares (the exp clamps, masks); the
 # kernels never read floating-point exception flags.
 _CFLAGS = ["-O3", "-fopenmp", "-march=native", "-fno-trapping-math", "-fno-math-errno"]
@@ -54,6 +57,7 @@ class NativeOps:
     rms_norm: Callable[..., torch.Tensor]
     rope_write_kv: Callable[..., None]
     silu_mul: Callable[..., torch.Tensor]
+    small_linear: Callable[..., torch.Tensor]
 
 
 def _cpu_flags() -> str:
@@ -108,7 +112,7 @@ def _build_and_load() -> NativeOps | None:
         torch.ops.load_library(str(library))
         ns: Any = torch.ops.kvgate
         ops = NativeOps(paged_attention=ns.paged_attention, add_rms_norm=ns.add_rms_norm, rms_norm=ns.rms_norm,
-                        rope_write_kv=ns.rope_write_kv, silu_mul=ns.silu_mul)
+                        rope_write_kv=ns.rope_write_kv, silu_mul=ns.silu_mul, small_linear=ns.small_linear)
     except Exception as exc:  # a compiler error, a missing header, a broken cache folder
         lines = str(exc).strip().splitlines() or [""]
         reason = next((line for line in lines if "error" in line), lines[0])

@@ -16,6 +16,7 @@ from engine import attention
 from engine.attention import KERNEL_MAX_ROWS, AttentionMetadata, PagedRows, PrefillSpan
 from engine.fast_decoder import FastDecoder
 from engine.kernels import NativeOps
+from engine.packing import use_small_kernel
 
 
 class ModelRunner:
@@ -44,6 +45,12 @@ class ModelRunner:
         self.fast: FastDecoder | None = None
         if fast_decoder and FastDecoder.unsupported(model) is None:
             self.fast = FastDecoder(model, native)
+        if native is not None:
+            use_small_kernel(self.modules(), native.small_linear)
+
+    def modules(self) -> list[torch.nn.Module]:
+        """Every module a step runs: the model's and the fast decoder's own fused layers."""
+        return [*self.model.modules(), *(self.fast.modules() if self.fast is not None else [])]
 
     @torch.inference_mode()
     def execute(

@@ -199,3 +199,39 @@ def test_rope_write_kv_rotates_in_place_and_refuses_slots_outside_the_pool() -> 
     torch.testing.assert_close(v_cache[blocks, offsets], v)
     with pytest.raises(RuntimeError, match="outside the pool"):
         ops.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, torch.tensor([2, 4, 0]), offsets)
+
+
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (97, 64), (10, 40), (3, 13), (1, 8)])
+def test_small_linear_matches_f_linear(rows: int, out_features: int, in_features: int) -> None:
+    assert ops is not None
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight, bias = torch.randn(out_features, in_features, generator=gen), torch.randn(out_features, generator=gen)
+    torch.testing.assert_close(ops.small_linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.small_linear(x, weight, None), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    wide = torch.randn(rows, in_features + 5, generator=gen)[:, :in_features]  # rows with a stride
+    torch.testing.assert_close(ops.small_linear(wide, weight, None), F.linear(wide, weight), rtol=1e-5, atol=1e-5)
+
+
+@needs_ops
+def test_packed_layers_take_the_small_kernel_for_few_rows_only() -> None:
+    from engine.packing import PackedLinear, use_small_kernel
+
+    assert ops is not None
+    layer = PackedLinear(torch.randn(48, 32), torch.randn(48))
+    calls: list[int] = []
+
+    def counting(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return ops.small_linear(x, weight, bias)
+
+    assert use_small_kernel([layer, torch.nn.ReLU()], counting) == 1
+    with torch.inference_mode():
+        for rows in (1, layer.small_rows, layer.small_rows + 1, 600):
+            x = torch.randn(2, rows, 32)[1]
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [1, layer.small_rows]
+    use_small_kernel([layer], None)
+    assert layer.small is None
