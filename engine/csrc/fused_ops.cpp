@@ -23,6 +23,8 @@
 #include <tuple>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 void check_rows(const at::Tensor& t, const char* name) {
@@ -140,23 +142,6 @@ void rope_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   });
 }
 
-// exp(x) for any float x, vectorizable (see paged_attention.cpp; clamped to the float range).
-inline float exp_any(float x) {
-  const float v = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = v - k * 0.693145751953125f - k * 1.428606765330187e-06f;
-  float p = 1.98412698e-04f;
-  p = p * r + 1.38888889e-03f;
-  p = p * r + 8.33333333e-03f;
-  p = p * r + 4.16666667e-02f;
-  p = p * r + 1.66666667e-01f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(k) + 127) << 23);
-  return p * scale;
-}
-
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must hold gate and up halves");
@@ -171,7 +156,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const float* u = g + n;
       float* o = op + r * n;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + exp_any(-g[i])) * u[i];
+      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + kvgate::exp_clamped(-g[i])) * u[i];
     }
   });
   return out;

@@ -28,6 +28,8 @@
 #include <limits>
 #include <vector>
 
+#include "vec_math.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -36,25 +38,10 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// exp(x) for x <= 0, vectorizable: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-7 Taylor
-// polynomial (relative error < 2e-8 on that range), 2^n built in the exponent bits.
+// exp of scores shifted by their max (<= 0; -inf for masked keys, whose weight is 0).
 inline void exp_nonpositive(float* x, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i] < -87.0f ? -87.0f : x[i];
-    float k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = v - k * 0.693145751953125f - k * 1.428606765330187e-06f;
-    float p = 1.98412698e-04f;
-    p = p * r + 1.38888889e-03f;
-    p = p * r + 8.33333333e-03f;
-    p = p * r + 4.16666667e-02f;
-    p = p * r + 1.66666667e-01f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(k) + 127) << 23);
-    x[i] = (x[i] == kNegInf) ? 0.0f : p * scale;
-  }
+  for (int64_t i = 0; i < n; ++i) x[i] = (x[i] == kNegInf) ? 0.0f : kvgate::exp_clamped(x[i]);
 }
 
 // row[t] = q . keys[t] for t < n (generic loop, any head size).
