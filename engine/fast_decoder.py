@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.llama.modeling_llama import rotate_half
 
 from engine.attention import AttentionMetadata, attend, write_kv
 from engine.kernels import NativeOps
@@ -68,8 +69,9 @@ class _ConcatLinear(nn.Module):
 class _Layer:
     index: int
     input_norm: torch.Tensor
+    input_eps: float
     post_norm: torch.Tensor
-    eps: float
+    post_eps: float
     qkv: nn.Module
     o_proj: nn.Module
     gate_up: nn.Module
@@ -137,8 +139,10 @@ class FastDecoder:
         else:
             gate_up, down = _ConcatLinear([mlp.gate_proj, mlp.up_proj]), mlp.down_proj
         return _Layer(
-            index=index, input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
-            eps=float(layer.input_layernorm.variance_epsilon),
+            index=index, input_norm=layer.input_layernorm.weight,
+            input_eps=float(layer.input_layernorm.variance_epsilon),
+            post_norm=layer.post_attention_layernorm.weight,
+            post_eps=float(layer.post_attention_layernorm.variance_epsilon),
             qkv=_ConcatLinear([attn.q_proj, attn.k_proj, attn.v_proj]), o_proj=attn.o_proj,
             gate_up=gate_up, down=down, scaling=float(getattr(attn, "scaling", self.head_dim ** -0.5)))
 
@@ -149,7 +153,7 @@ class FastDecoder:
         total = hidden.shape[0]
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         residual = hidden  # the embedding's own output: the adds below may write into it
-        x = self._rms_norm(hidden, None, self.layers[0].input_norm, self.layers[0].eps) if self.layers else hidden
+        x = self._rms_norm(hidden, None, self.layers[0].input_norm, self.layers[0].input_eps) if self.layers else hidden
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(x)
             q = qkv[:, :q_width].view(total, self.num_heads, self.head_dim)
@@ -158,11 +162,11 @@ class FastDecoder:
             self._rope_write_kv(meta, layer.index, q, k, v, cos, sin)
             attn = attend(meta, layer.index, q, k, v, layer.scaling)
             h = layer.o_proj(attn.view(total, q_width))
-            x = self._rms_norm(h, residual, layer.post_norm, layer.eps)
+            x = self._rms_norm(h, residual, layer.post_norm, layer.post_eps)
             h = layer.down(self._silu_mul(layer.gate_up(x)))
             if i + 1 < len(self.layers):
                 nxt = self.layers[i + 1]
-                x = self._rms_norm(h, residual, nxt.input_norm, nxt.eps)
+                x = self._rms_norm(h, residual, nxt.input_norm, nxt.input_eps)
             else:
                 x = self._rms_norm(h, residual, self.final_norm, self.final_eps)
         return x
@@ -191,8 +195,8 @@ class FastDecoder:
                                       meta.slot_blocks, meta.slot_offsets)
             return
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        q.copy_(q * c + _rotate_half(q) * s)
-        k.copy_(k * c + _rotate_half(k) * s)
+        q.copy_(q * c + rotate_half(q) * s)
+        k.copy_(k * c + rotate_half(k) * s)
         write_kv(meta, layer, k, v)
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -201,7 +205,3 @@ class FastDecoder:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
