@@ -155,8 +155,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const float* g = gp + r * gs;
       const float* u = g + n;
       float* o = op + r * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + kvgate::exp_clamped(-g[i])) * u[i];
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        const kvgate::f32x8 gv = kvgate::load8(g + i);
+        kvgate::store8(o + i, gv / (1.0f + kvgate::exp_clamped(-gv)) * kvgate::load8(u + i));
+      }
+      for (; i < n; ++i) o[i] = g[i] / (1.0f + kvgate::exp_clamped(-g[i])) * u[i];
     }
   });
   return out;
