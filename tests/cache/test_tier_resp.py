@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cache.tiers import resp
 from cache.tiers.resp import GetPipe, ReplyReader, RespError, command, endpoint
 
 BIG = os.urandom(300_000)  # several socket reads, most of it received straight into its buffer
@@ -107,6 +108,33 @@ def test_a_broken_stream_fails_the_waiter_with_a_clear_error(garbage: bytes) -> 
     asyncio.run(main())
 
 
+class RecordingTransport(asyncio.WriteTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[bytes] = []
+
+    def write(self, data) -> None:  # type: ignore[no-untyped-def]
+        self.written.append(bytes(data))
+
+
+def test_later_windows_are_written_as_the_replies_before_them_arrive() -> None:
+    async def main() -> None:
+        reader = ReplyReader()
+        transport = RecordingTransport()
+        reader.connection_made(transport)
+        waiter = reader.expect(4, [(1, b"third"), (3, b"fourth")])
+        assert transport.written == []
+        feed(reader, b"+a\r\n", [])
+        assert transport.written == [b"third"]
+        feed(reader, b"+b\r\n", [])
+        assert transport.written == [b"third"]
+        feed(reader, b"+c\r\n+d\r\n", [])
+        assert transport.written == [b"third", b"fourth"]
+        assert await waiter == ["a", "b", "c", "d"]
+
+    asyncio.run(main())
+
+
 def test_a_reply_nobody_asked_for_marks_the_connection_unusable() -> None:
     async def main() -> None:
         reader = ReplyReader()
@@ -169,6 +197,28 @@ def test_pipelined_gets_against_a_real_server(redis_url, redis_server) -> None:
             pipe.close()
 
     run(main())
+
+
+def test_gets_in_many_windows_come_back_in_order(redis_url, redis_server, monkeypatch) -> None:
+    values = [os.urandom(1000 + 37 * i) for i in range(40)]
+    keys = [f"kvg-test:win:{i}" for i in range(40)]
+    with redis_server.client() as client:
+        client.mset(dict(zip(keys, values, strict=True)))
+    monkeypatch.setattr(resp, "WINDOW_BYTES", 5000)  # 2 keys per window of 2.5 kB values, 20 windows
+
+    async def main() -> None:
+        pipe = GetPipe(endpoint(redis_url), 2.0, max_value=2500)
+        try:
+            got = await asyncio.wait_for(pipe.get([*keys[:17], "kvg-test:win:missing", *keys[17:]]), 10)
+            assert [bytes(v) if v is not None else None for v in got] == [*values[:17], None, *values[17:]]
+        finally:
+            pipe.close()
+
+    try:
+        run(main())
+    finally:
+        with redis_server.client() as client:
+            client.delete(*keys)
 
 
 def test_a_password_and_a_database_from_the_url_are_used(redis_server) -> None:
