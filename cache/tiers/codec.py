@@ -64,13 +64,17 @@ class BlockFormat:
 
 def encode(fmt: BlockFormat, block_hash: bytes, payload: bytes | memoryview) -> bytes:
     """Header + payload as one bytes object."""
+    return encode_header(fmt, block_hash, payload) + memoryview(payload).cast("B").tobytes()
+
+
+def encode_header(fmt: BlockFormat, block_hash: bytes, payload: bytes | memoryview) -> bytes:
+    """The header alone, for writers that send it and the payload without joining them."""
     view = memoryview(payload).cast("B")
     if view.nbytes != fmt.payload_size:
         raise ValueError(f"payload is {view.nbytes} bytes, the block format says {fmt.payload_size}")
     shape = list(fmt.shape) + [0] * (_MAX_DIMS - len(fmt.shape))
-    header = _HEADER.pack(MAGIC, VERSION, fmt.dtype.encode(), *shape, fmt.fingerprint, block_hash,
-                          view.nbytes, xxh3_64_intdigest(view))
-    return header + view.tobytes()
+    return _HEADER.pack(MAGIC, VERSION, fmt.dtype.encode(), *shape, fmt.fingerprint, block_hash,
+                        view.nbytes, xxh3_64_intdigest(view))
 
 
 def decode(fmt: BlockFormat, block_hash: bytes, data: bytes | memoryview) -> memoryview:

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from cache.telemetry import AccessPattern, BlockLife
-from cache.tiers.codec import HEADER_SIZE, BlockFormat, CorruptBlockError, decode, encode
-from cache.tiers.resp import GetPipe, endpoint
+from cache.tiers.codec import HEADER_SIZE, BlockFormat, CorruptBlockError, decode, encode, encode_header
+from cache.tiers.resp import GetPipe, RespError, SetPipe, endpoint
 from cache.tiers.stats import RateEstimate, TierStats
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ class RemoteTier:
         self._client: Any = None
         where = None if cluster else endpoint(url)
         self._gets = GetPipe(where, timeout_s, max_value=fmt.record_size) if where is not None else None
+        self._sets = SetPipe(where, timeout_s) if where is not None else None
         self._logged = False
         # owner → (opaque tag, quota in blocks or None): who is accounted in Redis (see `put`)
         self._accounts: dict[str, tuple[str, int | None]] = {}
@@ -151,6 +152,8 @@ class RemoteTier:
     async def _reset(self) -> None:
         if self._gets is not None:
             self._gets.close()
+        if self._sets is not None:
+            self._sets.close()
         client, self._client = self._client, None
         if client is not None:
             try:
@@ -256,9 +259,13 @@ class RemoteTier:
         per = max(1, WRITE_PIPELINE_BYTES // max(1, self.fmt.record_size))
         for start in range(0, len(items), per):  # the I/O loop is free between pipelines
             chunk = items[start:start + per]
-            records = [(self.key(k), encode(self.fmt, k, payload)) for k, payload in chunk]
             t0 = time.perf_counter()
-            result = await self._run(lambda pipe, records=records: [pipe.set(k, v, ex=self.ttl_s) for k, v in records])
+            if self._sets is not None:  # header and payload sent from where they lie (resp.py)
+                records = [(self.key(k), [encode_header(self.fmt, k, payload), payload]) for k, payload in chunk]
+                result = await self._guarded(lambda records=records: self._set_all(records))
+            else:
+                joined = [(self.key(k), encode(self.fmt, k, payload)) for k, payload in chunk]
+                result = await self._run(lambda pipe, joined=joined: [pipe.set(k, v, ex=self.ttl_s) for k, v in joined])
             if result is None:
                 self.stats.dropped += len(items) - start
                 self.unstored.extend(k for k, _ in items[start:])
@@ -266,16 +273,28 @@ class RemoteTier:
             self.stats.puts += len(chunk)
             self.stats.writes += 1
             self.stats.write_time_s += time.perf_counter() - t0
-            sent = sum(len(k) + len(v) for k, v in records)
-            self.stats.bytes_written += sent - sum(len(k) for k, _ in records)
-            self.stats.metadata_bytes += sum(len(k) for k, _ in records) + len(records) * HEADER_SIZE
+            names = [self.key(k) for k, _ in chunk]
+            key_bytes = sum(len(name) for name in names)
+            sent = key_bytes + len(chunk) * self.fmt.record_size
+            self.stats.bytes_written += sent - key_bytes
+            self.stats.metadata_bytes += key_bytes + len(chunk) * HEADER_SIZE
             self.access.observe("put", len(chunk), sent)
             for key, _ in chunk:
                 self.life.inserted(key)
-            sent_keys += [k for k, _ in records]
+            sent_keys += names
         if account is not None and sent_keys:
             await self._account(account[0], account[1], sent_keys)
         return len(sent_keys)
+
+    async def _set_all(self, records: list[tuple[str, list[Any]]]) -> list[Any]:
+        """SET every record with the TTL; an error reply (Redis out of memory, a read-only
+        replica) fails the whole batch, as it does through redis-py's pipeline."""
+        assert self._sets is not None
+        replies = await self._sets.set(records, self.ttl_s)
+        for reply in replies:
+            if isinstance(reply, RespError):
+                raise reply
+        return replies
 
     async def _account(self, tag: str, limit: int | None, keys: list[str]) -> None:
         zkey = self.account_key(tag)

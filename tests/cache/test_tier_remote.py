@@ -134,44 +134,35 @@ def test_the_password_never_reaches_the_log(url: str, caplog: pytest.LogCaptureF
 def test_a_large_write_goes_out_in_bounded_pipelines_and_lookups_run_between_them(
         redis_url, monkeypatch: pytest.MonkeyPatch) -> None:
     """One prompt's write-through in a single pipeline held every lookup behind its encoding and
-    copies (~200 ms for 128 blocks of 720 KiB); now each pipeline carries at most
+    copies (~200 ms for 128 blocks of 720 KiB, through redis-py); now each pipeline carries at most
     WRITE_PIPELINE_BYTES and the I/O loop runs other work between them."""
     import cache.tiers.remote as remote_module
 
-    monkeypatch.setattr(remote_module, "WRITE_PIPELINE_BYTES", 3 * FMT.record_size)
+    fmt = BlockFormat(bytes(range(32)), "float32", (1024, 1024))  # 4 MiB records: a pipeline outlasts a lookup
+    payload = bytes(fmt.payload_size)
+    monkeypatch.setattr(remote_module, "WRITE_PIPELINE_BYTES", 3 * fmt.record_size)
     pipelines: list[int] = []
     between: list[int] = []  # lookups that ran while the write was under way
 
     async def main() -> None:
-        tier = RemoteTier(redis_url, FMT)
-        real_run = tier._run
+        tier = RemoteTier(redis_url, fmt, timeout_s=10)
+        assert tier._sets is not None
+        real_set = tier._sets.set
 
-        async def counting_run(build):  # type: ignore[no-untyped-def]
-            class Recorder:  # counts the SETs a pipeline would carry
-                sets = 0
+        async def counting_set(records, ttl_s):  # type: ignore[no-untyped-def]
+            pipelines.append(len(records))
+            return await real_set(records, ttl_s)
 
-                def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
-                    def command(*args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-                        if name == "set":
-                            self.sets += 1
-                    return command
-
-            probe = Recorder()
-            build(probe)
-            if probe.sets:
-                pipelines.append(probe.sets)
-            return await real_run(build)
-
-        tier._run = counting_run  # type: ignore[method-assign]
+        tier._sets.set = counting_set  # type: ignore[method-assign]
         try:
-            items = [(key(i), PAYLOAD) for i in range(10)]
+            items = [(key(i), payload) for i in range(10)]
             writing = asyncio.ensure_future(tier.put(items))
             await asyncio.sleep(0)
             while not writing.done():
                 assert await tier.exists([key(100)]) == [False]
                 between.append(len(pipelines))
             assert writing.result() == 10
-            assert await tier.get([k for k, _ in items]) == [PAYLOAD] * 10
+            assert await tier.get([k for k, _ in items]) == [payload] * 10
             assert tier.stats.writes == 4 and tier.stats.puts == 10
         finally:
             await tier.close()
@@ -179,3 +170,53 @@ def test_a_large_write_goes_out_in_bounded_pipelines_and_lookups_run_between_the
     run(main())
     assert pipelines == [3, 3, 3, 1]
     assert any(0 < n < 4 for n in between)  # a lookup was answered between two of the write's pipelines
+
+
+def test_records_are_written_without_redis_py_and_read_back_byte_for_byte(redis_url, redis_server) -> None:
+    """Writes go through resp.SetPipe (header and payload sent from where they lie): the stored
+    value is exactly the codec's record, with the TTL, for payloads given as bytes or as views."""
+    fmt = BlockFormat(bytes(range(32)), "float32", (64, 1024))  # 256 KiB records: several sendmsg calls
+    payloads = [os.urandom(fmt.payload_size) for _ in range(6)]
+
+    async def main() -> None:
+        tier = RemoteTier(redis_url, fmt, ttl_s=300)
+        assert tier._sets is not None
+        try:
+            items = [(key(i), p if i % 2 else memoryview(p)) for i, p in enumerate(payloads)]
+            assert await tier.put(items) == len(items)
+            assert [bytes(v) for v in await tier.get([key(i) for i in range(6)])] == payloads  # type: ignore[arg-type]
+        finally:
+            await tier.close()
+
+    run(main())
+    with redis_server.client() as client:
+        names = [f"kvgate:{fmt.fingerprint.hex()}:{key(i).hex()}" for i in range(6)]
+        try:
+            assert [client.get(n) for n in names] == [encode(fmt, key(i), p) for i, p in enumerate(payloads)]
+            assert all(0 < client.ttl(n) <= 300 for n in names)
+        finally:
+            client.delete(*names)
+
+
+def test_a_write_the_store_refuses_is_dropped_and_counted_not_raised(redis_url, redis_server) -> None:
+    """Redis at maxmemory with noeviction answers SET with an -OOM error: the batch is dropped
+    and counted, the blocks are marked unstored (sent again later), and nothing raises."""
+    with redis_server.client() as client:
+        client.config_set("maxmemory", "1")
+        client.config_set("maxmemory-policy", "noeviction")
+    try:
+        async def main() -> RemoteTier:
+            tier = RemoteTier(redis_url, FMT)
+            try:
+                assert await tier.put([(key(40), PAYLOAD), (key(41), PAYLOAD)]) == 0
+            finally:
+                await tier.close()
+            return tier
+
+        tier = run(main())
+        assert tier.stats.dropped == 2 and tier.stats.errors == 1 and tier.stats.puts == 0
+        assert sorted(tier.unstored) == [key(40), key(41)]
+    finally:
+        with redis_server.client() as client:
+            client.config_set("maxmemory", "0")
+            client.delete(*(f"kvgate:{FMT.fingerprint.hex()}:{key(i).hex()}" for i in (40, 41)))

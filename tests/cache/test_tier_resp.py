@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cache.tiers import resp
-from cache.tiers.resp import GetPipe, ReplyReader, RespError, command, endpoint
+from cache.tiers.resp import GetPipe, ReplyReader, RespError, SetPipe, command, endpoint
 
 BIG = os.urandom(300_000)  # several socket reads, most of it received straight into its buffer
 REPLIES = [b"$5\r\nhello\r\n", b"$-1\r\n", b"$%d\r\n%s\r\n" % (len(BIG), BIG), b"+OK\r\n",
@@ -230,20 +230,52 @@ def test_a_password_and_a_database_from_the_url_are_used(redis_server) -> None:
         async def main() -> None:
             good = GetPipe(endpoint(f"redis://kvg-reader:s3cret@127.0.0.1:{redis_server.port}/5"), 2.0)
             bad = GetPipe(endpoint(f"redis://kvg-reader:wrong@127.0.0.1:{redis_server.port}/5"), 2.0)
+            writer = SetPipe(endpoint(f"redis://kvg-reader:s3cret@127.0.0.1:{redis_server.port}/5"), 2.0)
+            bad_writer = SetPipe(endpoint(f"redis://kvg-reader:wrong@127.0.0.1:{redis_server.port}/5"), 2.0)
             try:
                 assert bytes((await good.get(["kvg-test:db5"]))[0]) == b"five"
                 with pytest.raises(RespError, match="WRONGPASS"):
                     await bad.get(["kvg-test:db5"])
+                assert await writer.set([("kvg-test:db5w", [b"fi", b"ve"])], 60) == ["OK"]
+                assert bytes((await good.get(["kvg-test:db5w"]))[0]) == b"five"
+                with pytest.raises(RespError, match="WRONGPASS"):
+                    await bad_writer.set([("kvg-test:db5w", [b"x"])], 60)
+                assert bad_writer._sock is None
             finally:
                 good.close()
                 bad.close()
+                writer.close()
+                bad_writer.close()
 
         run(main())
     finally:
         with redis_server.client() as client:
             client.execute_command("ACL", "DELUSER", "kvg-reader")
             client.select(5)
-            client.delete("kvg-test:db5")
+            client.delete("kvg-test:db5", "kvg-test:db5w")
+
+
+def test_sets_send_each_value_from_its_parts_with_the_ttl(redis_url, redis_server) -> None:
+    big = os.urandom(3_000_000)  # more than a socket buffer: sendmsg sends it in pieces
+
+    async def main() -> None:
+        pipe = SetPipe(endpoint(redis_url), 2.0)
+        try:
+            items = [("kvg-test:s1", [b"head-", memoryview(big)]), ("kvg-test:s2", [b""]), ("kvg-test:s3", [b"a", b"b", b"c"])]
+            assert await asyncio.wait_for(pipe.set(items, 77), 10) == ["OK", "OK", "OK"]
+            assert await pipe.set([], 77) == []
+        finally:
+            pipe.close()
+
+    try:
+        run(main())
+        with redis_server.client() as client:
+            assert client.get("kvg-test:s1") == b"head-" + big
+            assert client.get("kvg-test:s2") == b"" and client.get("kvg-test:s3") == b"abc"
+            assert 0 < client.ttl("kvg-test:s1") <= 77
+    finally:
+        with redis_server.client() as client:
+            client.delete("kvg-test:s1", "kvg-test:s2", "kvg-test:s3")
 
 
 def test_a_connection_the_server_drops_is_reopened_on_the_next_call(redis_url, redis_server) -> None:
@@ -252,8 +284,10 @@ def test_a_connection_the_server_drops_is_reopened_on_the_next_call(redis_url, r
 
     async def main() -> None:
         pipe = GetPipe(endpoint(redis_url), 2.0)
+        writer = SetPipe(endpoint(redis_url), 2.0)
         try:
             assert bytes((await pipe.get(["kvg-test:k"]))[0]) == b"v"
+            assert await writer.set([("kvg-test:k", [b"v"])], 60) == ["OK"]
             with redis_server.client() as client:
                 client.client_kill_filter(_type="normal", skipme=True)
             await asyncio.sleep(0.1)
@@ -261,9 +295,15 @@ def test_a_connection_the_server_drops_is_reopened_on_the_next_call(redis_url, r
                 await pipe.get(["kvg-test:k"])  # may still see the dead connection once
             except (ConnectionError, OSError):
                 pass
-            assert bytes((await pipe.get(["kvg-test:k"]))[0]) == b"v"
+            try:
+                await writer.set([("kvg-test:k", [b"v"])], 60)
+            except (ConnectionError, OSError):
+                pass
+            assert await writer.set([("kvg-test:k", [b"w"])], 60) == ["OK"]
+            assert bytes((await pipe.get(["kvg-test:k"]))[0]) == b"w"
         finally:
             pipe.close()
+            writer.close()
 
     run(main())
 
@@ -274,5 +314,9 @@ def test_a_refused_connection_raises_and_leaves_nothing_open() -> None:
         with pytest.raises(OSError):
             await pipe.get(["k"])
         assert pipe._reader is None
+        writer = SetPipe(endpoint("redis://127.0.0.1:1/0"), 1.0)
+        with pytest.raises(OSError):
+            await writer.set([("k", [b"v"])], 60)
+        assert writer._sock is None and writer._reader is None
 
     run(main())
