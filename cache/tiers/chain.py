@@ -215,7 +215,8 @@ class TierChain:
         """Copy a host-resident (or just prefetched) block into ``dst``; False if neither has it."""
         staged = self._staged.pop(key, None)
         if staged is not None:
-            dst.copy_(torch.frombuffer(bytearray(staged), dtype=torch.uint8))
+            writable = isinstance(staged, memoryview) and not staged.readonly  # (a Redis reply: no extra copy)
+            dst.copy_(torch.frombuffer(staged if writable else bytearray(staged), dtype=torch.uint8))
             self.stats.promotions += 1
             return True
         if self.host is not None and self.host.load_into(key, dst):

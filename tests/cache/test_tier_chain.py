@@ -427,3 +427,20 @@ def test_snapshot(chain: TierChain) -> None:
     assert snap["host"]["blocks"] == 2 and snap["host"]["capacity_blocks"] == 2
     assert snap["disk"]["blocks"] == 1 and snap["disk"]["policy"] == "lru"
     assert snap["disk"]["path"].endswith(FMT.fingerprint.hex()[:16])
+
+
+def test_remote_blocks_without_a_host_tier_are_staged_then_promoted_once(redis_url: str, chains: list[TierChain]) -> None:
+    """With no host tier a remote load waits in the chain (the reply's own buffer) until the
+    request promotes it; a promoted block leaves the staging area."""
+    remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0)
+    chains.append(chain := TierChain(None, None, remote=remote))
+    assert chain.io is not None
+    assert chain.io.submit(remote.put([(key(i), raw(i)) for i in range(5)])).result(WAIT_S)
+    assert chain.prefetch("r", [], remote_keys=[key(i) for i in range(5)])
+    assert poll_until(chain, ["r"]) == ["r"]
+    for i in range(5):
+        assert chain.on_lower_tier(key(i))
+        dst = torch.zeros(NB, dtype=torch.uint8)
+        assert chain.load(key(i), dst) and torch.equal(dst, block(i))
+        assert not chain.on_lower_tier(key(i)) and not chain.load(key(i), dst)
+    assert chain.stats.promotions == 5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy
 import pytest
 import torch
 from hypothesis import settings
@@ -63,7 +64,10 @@ def test_put_bytes_readonly_and_writable() -> None:
     tier.put_bytes(key(1), block(1).numpy().tobytes())  # bytes: read-only buffer
     tier.put_bytes(key(2), bytearray(block(2).numpy().tobytes()))
     tier.put_bytes(key(3), memoryview(block(3).numpy().tobytes()))
-    for i in (1, 2, 3):
+    reply = numpy.frombuffer(b"header" + block(4).numpy().tobytes(), dtype=numpy.uint8).copy()
+    tier.put_bytes(key(4), memoryview(reply)[6:])  # a Redis reply: a writable view past the header
+    reply[:] = 0  # the tier copied it: the reply's buffer is reused or freed afterwards
+    for i in (1, 2, 3, 4):
         out = load(tier, key(i))
         assert out is not None and torch.equal(out, block(i))
 
