@@ -37,7 +37,8 @@ KERNEL_SPLIT_TOKENS = 256
 class PrefillSpan:
     """A multi-token chunk: flat token range [start, end) at positions [ctx_len - q_len, ctx_len).
 
-    ``mask`` is None for a chunk with no cached prefix: it attends causally to its own fresh K/V.
+    ``mask`` is None for a chunk with no cached prefix: it attends causally to its own fresh K/V;
+    otherwise it is additive ([1, 1, q_len, ctx_len], 0 where a key is visible, -inf elsewhere).
     """
 
     start: int

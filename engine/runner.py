@@ -127,9 +127,12 @@ class ModelRunner:
         for offset, n, start, table in prefills:
             ctx = start + n
             mask = None
-            if start > 0:
+            if start > 0:  # additive (0 / -inf), built once for every layer: SDPA turns a bool
+                # mask into this form itself, on each of the 30 layers (2.6 ms of a 64-row chunk)
                 q_pos = torch.arange(start, ctx, device=dev)
-                mask = (torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None])[None, None]
+                hidden = torch.arange(ctx, device=dev)[None, :] > q_pos[:, None]
+                mask = torch.zeros(hidden.shape, dtype=self.storage.dtype, device=dev)
+                mask = mask.masked_fill_(hidden, float("-inf"))[None, None]
             meta.prefills.append(PrefillSpan(
                 start=offset, end=offset + n, ctx_len=ctx,
                 block_ids=torch.tensor(list(table), device=dev), mask=mask))
