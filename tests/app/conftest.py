@@ -150,6 +150,9 @@ def start_server(kvgate_env: dict[str, str], tmp_path_factory: pytest.TempPathFa
         return server
 
     yield start
+    for server in started:  # all at once: each drains and writes its cache to disk on SIGTERM
+        if server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGTERM)
     for server in started:
         server.stop()
 
