@@ -4,7 +4,9 @@
 
 Files hold `codec` records (header + payload). Reads and writes are coroutines run on the chain's
 I/O event loop (`aiofiles`), never on the step loop. A write goes to a temporary file, is
-fsync'ed and renamed over the final name, so a crash leaves either the whole block or nothing.
+fsync'ed and renamed over the final name, so a crash leaves either the whole block or nothing;
+that file work is one call on a worker thread (the chain's background executor: writes are
+demotions nobody waits for, so they run below the step loop's CPU priority).
 The index is rebuilt from the folder when the tier starts (blocks outlive restarts), oldest
 modification time first as eviction order; leftover temporary files are removed. Capacity is
 counted in blocks (``capacity_bytes`` // record size). A corrupt, truncated or foreign file is a
@@ -20,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from pathlib import Path
 
 import aiofiles
@@ -28,7 +31,7 @@ import numpy
 
 from cache.quota import UNKNOWN, QuotaLedger, pick_victim
 from cache.telemetry import BlockLife
-from cache.tiers.codec import HEADER_SIZE, BlockFormat, CorruptBlockError, check, encode
+from cache.tiers.codec import HEADER_SIZE, BlockFormat, CorruptBlockError, check, encode_header
 from cache.tiers.policy import make_policy
 from cache.tiers.stats import RateEstimate, TierStats
 
@@ -205,10 +208,12 @@ class DiskTier:
                 out.append(exc)
         return out
 
-    async def write(self, key: bytes, payload: bytes | memoryview, owner: str = UNKNOWN) -> bool:
+    async def write(self, key: bytes, payload: bytes | memoryview, owner: str = UNKNOWN,
+                    executor: Executor | None = None) -> bool:
         """Store a block atomically for ``owner``; True if it is on disk afterwards (False also for
-        an owner whose disk quota is 0)."""
-        record = encode(self.fmt, key, payload)  # before reserving: a bad payload must not leak a slot
+        an owner whose disk quota is 0). The file is written, synced and renamed by one call on a
+        worker thread of ``executor`` (default: the loop's), header and payload without joining them."""
+        header = encode_header(self.fmt, key, payload)  # before reserving: a bad payload must not leak a slot
         with self._lock:
             if key in self._index:
                 self.policy.touch(key)
@@ -226,11 +231,7 @@ class DiskTier:
         tmp = self.dir / f".{key.hex()[:16]}.{uuid.uuid4().hex[:8]}.tmp"
         t0 = time.perf_counter()
         try:
-            async with aiofiles.open(tmp, "wb") as f:
-                await f.write(record)
-                await f.flush()
-                await aiofiles.os.wrap(os.fsync)(f.fileno())
-            await aiofiles.os.replace(tmp, final)
+            await _write_file_async(tmp, final, header, payload, executor=executor)
         except OSError as exc:
             _unlink(tmp)
             with self._lock:
@@ -248,7 +249,7 @@ class DiskTier:
         self.stats.metadata_bytes += HEADER_SIZE
         self.stats.writes += 1
         self.stats.write_time_s += elapsed
-        self.stats.bytes_written += len(record)
+        self.stats.bytes_written += len(header) + memoryview(payload).nbytes
         return True
 
     def delete(self, key: bytes) -> bool:
@@ -287,6 +288,24 @@ class DiskTier:
             assert {k.hex() for k in self._index} <= on_disk, "index names files that do not exist"
 
 
+def _write_file(tmp: Path, final: Path, header: bytes, payload: bytes | memoryview) -> None:
+    """Write a record to ``tmp`` (header, then payload, gathered), fsync it, rename it to ``final``."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        bufs = [memoryview(header), memoryview(payload).cast("B")]
+        while bufs:
+            n = os.writev(fd, bufs)
+            while bufs and n >= len(bufs[0]):
+                n -= len(bufs[0])
+                bufs = bufs[1:]
+            if bufs and n:
+                bufs = [bufs[0][n:], *bufs[1:]]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+
+
 def _read_scattered(fd: int, bufs: list[memoryview]) -> int:
     """Fill ``bufs`` in order from ``fd`` until they are full or the file ends; bytes read."""
     total = 0
@@ -304,6 +323,7 @@ def _read_scattered(fd: int, bufs: list[memoryview]) -> int:
 
 
 _read_files_async = aiofiles.os.wrap(DiskTier._read_files)
+_write_file_async = aiofiles.os.wrap(_write_file)
 
 
 def _unlink(path: str | Path) -> None:

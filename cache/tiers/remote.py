@@ -18,6 +18,7 @@ import collections
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 from cache.telemetry import AccessPattern, BlockLife
@@ -90,6 +91,9 @@ class RemoteTier:
         where = None if cluster else endpoint(url)
         self._gets = GetPipe(where, timeout_s, max_value=fmt.record_size) if where is not None else None
         self._sets = SetPipe(where, timeout_s) if where is not None else None
+        # where SetPipe sends write payloads (the chain's background threads, below the step
+        # loop's priority); None: on the I/O loop itself
+        self.write_executor: Executor | None = None
         self._logged = False
         # owner → (opaque tag, quota in blocks or None): who is accounted in Redis (see `put`)
         self._accounts: dict[str, tuple[str, int | None]] = {}
@@ -290,7 +294,7 @@ class RemoteTier:
         """SET every record with the TTL; an error reply (Redis out of memory, a read-only
         replica) fails the whole batch, as it does through redis-py's pipeline."""
         assert self._sets is not None
-        replies = await self._sets.set(records, self.ttl_s)
+        replies = await self._sets.set(records, self.ttl_s, executor=self.write_executor)
         for reply in replies:
             if isinstance(reply, RespError):
                 raise reply

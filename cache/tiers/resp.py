@@ -5,7 +5,7 @@ The remote tier's hot path is one pipeline of GETs of ~0.7 MB values. redis-py's
 reads replies through a ``StreamReader``: each chunk is received into a new ``bytes``, appended
 to the reader's buffer, and every value is sliced out of that buffer again — three copies of
 every byte before the tier sees it, all on the I/O thread (docs/tiers.md has the profile). This
-module speaks just enough RESP2 for that path (``AUTH``, ``SELECT``, ``GET``) over an
+module speaks just enough RESP2 for the two paths (``AUTH``, ``SELECT``, ``GET``, ``SET``): GETs over an
 ``asyncio.BufferedProtocol``: the socket is read with ``recv_into`` into the value's own buffer,
 so each byte is copied once, by the kernel. Writes had the same cost the other way: the codec
 joined header and payload (two copies) and redis-py joined the pipeline's pieces (a third), ~55 ms
@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import select
 import socket
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy
@@ -293,6 +295,32 @@ class GetPipe:
 _IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
 
 
+def _advance(views: collections.deque[memoryview], sent: int) -> None:
+    """Drop the first ``sent`` bytes of ``views`` (what one ``sendmsg`` took)."""
+    while sent:
+        head = views[0]
+        if sent >= head.nbytes:
+            sent -= head.nbytes
+            views.popleft()
+        else:
+            views[0], sent = head[sent:], 0
+
+
+def _send_blocking(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
+    """Send every byte of ``buffers`` from a worker thread, waiting in ``select`` while the
+    (non-blocking) socket is full; gives up when the socket is closed under it."""
+    views = collections.deque(memoryview(b).cast("B") for b in buffers)
+    while views:
+        if sock.fileno() < 0:
+            raise ConnectionError("the connection was closed while sending")
+        try:
+            sent = sock.sendmsg([views[i] for i in range(min(len(views), _IOV_MAX))])
+        except (BlockingIOError, InterruptedError):
+            select.select([], [sock], [], 0.1)
+            continue
+        _advance(views, sent)
+
+
 def _wake(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
@@ -314,10 +342,12 @@ class SetPipe:
         self._reader: ReplyReader | None = None
         self._lock = asyncio.Lock()
 
-    async def set(self, items: Sequence[tuple[str, Sequence[bytes | memoryview]]], ttl_s: int) -> list[Any]:
+    async def set(self, items: Sequence[tuple[str, Sequence[bytes | memoryview]]], ttl_s: int,
+                  executor: Executor | None = None) -> list[Any]:
         """Store each ``(key, parts)``: the value is the parts one after the other. Returns one
         reply per item ("OK", or a `RespError` such as an OOM refusal); raises on a broken or
-        refused connection."""
+        refused connection. With an ``executor`` the bytes are sent by one of its threads (the
+        replies are still read on the loop), else on the loop as the socket drains."""
         if not items:
             return []
         expiry = str(int(ttl_s)).encode()
@@ -333,7 +363,10 @@ class SetPipe:
             try:
                 sock, reader = await self._connected()
                 waiter = reader.expect(len(items))
-                await self._send(sock, buffers)
+                if executor is None:
+                    await self._send(sock, buffers)
+                else:
+                    await asyncio.get_running_loop().run_in_executor(executor, _send_blocking, sock, buffers)
                 return await waiter
             except BaseException:
                 self.close()
@@ -348,13 +381,7 @@ class SetPipe:
                 sent = sock.sendmsg([views[i] for i in range(min(len(views), _IOV_MAX))])
             except (BlockingIOError, InterruptedError):
                 sent = 0
-            while sent:
-                head = views[0]
-                if sent >= head.nbytes:
-                    sent -= head.nbytes
-                    views.popleft()
-                else:
-                    views[0], sent = head[sent:], 0
+            _advance(views, sent)
             if views:
                 writable = loop.create_future()
                 loop.add_writer(sock.fileno(), _wake, writable)

@@ -444,3 +444,38 @@ def test_remote_blocks_without_a_host_tier_are_staged_then_promoted_once(redis_u
         assert chain.load(key(i), dst) and torch.equal(dst, block(i))
         assert not chain.on_lower_tier(key(i)) and not chain.load(key(i), dst)
     assert chain.stats.promotions == 5
+
+
+def test_writes_run_on_background_threads_below_normal_priority(
+        tmp_path: Path, redis_url: str, chains: list[TierChain], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Disk writes and remote write payloads are sent from the I/O loop's background threads,
+    niced by BACKGROUND_NICE (they must not take CPU from the step loop); reads are not."""
+    import os
+
+    from cache.tiers import chain as chain_module
+    from cache.tiers import resp
+
+    writers: set[str] = set()
+    real_writev, real_send = os.writev, resp._send_blocking
+
+    def spy_writev(fd: int, bufs: object) -> int:
+        writers.add(threading.current_thread().name)
+        return real_writev(fd, bufs)  # type: ignore[arg-type]
+
+    def spy_send(sock: object, buffers: object) -> None:
+        writers.add(threading.current_thread().name)
+        real_send(sock, buffers)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "writev", spy_writev)
+    monkeypatch.setattr(resp, "_send_blocking", spy_send)
+    disk = DiskTier(tmp_path / "disk", 32 * FMT.record_size, FMT)
+    chains.append(chain := TierChain(HostTier(2 * NB, NB), disk, remote=RemoteTier(redis_url, FMT, timeout_s=5.0)))
+    assert chain.io is not None
+    demote_all(chain, range(6))  # 4 leave host memory for disk
+    chain.write_remote([(key(i), raw(i)) for i in range(6)])
+    assert chain.drain_writes(WAIT_S)
+    assert len(disk) == 4 and chain.remote is not None and chain.remote.stats.puts == 6
+    assert writers and all(name.startswith("kvgate-io-bg") for name in writers), writers
+    nice = chain.io.background.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert nice == min(19, here + chain_module.BACKGROUND_NICE)

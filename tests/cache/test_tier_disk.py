@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import aiofiles
 import pytest
 
 from cache.tiers import disk as disk_module
@@ -287,41 +286,32 @@ def test_foreign_record_in_our_folder_is_rejected(tmp_path: Path) -> None:
 # ---- I/O errors -----------------------------------------------------------------------------
 
 
-class _RaisingOpen:
-    """Stands in for ``aiofiles.open(...)``: entering it raises."""
-
-    def __init__(self, exc: OSError) -> None:
-        self.exc = exc
-
-    async def __aenter__(self) -> Any:
-        raise self.exc
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
 
 
-class _FullDisk:
-    """A real file whose write runs out of space halfway: a partial temporary file exists."""
+def failing_open(exc: OSError) -> Any:
+    """``os.open`` that raises ``exc`` for a file opened to write (the tier's writes) and opens
+    files to read as usual."""
+    real_open = os.open
 
-    def __init__(self, cm: Any) -> None:
-        self.cm = cm
+    def fake(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & _WRITE_FLAGS:
+            raise exc
+        return real_open(path, flags, *args, **kwargs)
 
-    async def __aenter__(self) -> _FullDisk:
-        self.f = await self.cm.__aenter__()
-        return self
+    return fake
 
-    async def __aexit__(self, *exc: Any) -> Any:
-        return await self.cm.__aexit__(*exc)
 
-    async def write(self, data: bytes) -> int:
-        await self.f.write(data[: len(data) // 2])
-        await self.f.flush()
-        raise OSError(errno.ENOSPC, "No space left on device")
+def half_writev(fd: int, bufs: Any) -> int:
+    """``os.writev`` on a full disk: half of the first buffer lands, then ENOSPC."""
+    first = memoryview(bufs[0])
+    os.write(fd, first[: len(first) // 2])
+    raise OSError(errno.ENOSPC, "No space left on device")
 
 
 @contextmanager
 def read_only(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Make ``folder`` unwritable: chmod where that works, a patched ``aiofiles.open`` as root."""
+    """Make ``folder`` unwritable: chmod where that works, a patched ``os.open`` as root."""
     os.chmod(folder, 0o555)
     try:
         probe = folder / ".probe"
@@ -332,15 +322,8 @@ def read_only(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             return
         probe.unlink()  # running as root: chmod does not stop writes; simulate EROFS
         os.chmod(folder, 0o755)
-        real_open = aiofiles.open
-
-        def open_ro(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-            if any(c in mode for c in "wax+"):
-                return _RaisingOpen(OSError(errno.EROFS, "Read-only file system", str(file)))
-            return real_open(file, mode, *args, **kwargs)
-
         with monkeypatch.context() as m:
-            m.setattr(aiofiles, "open", open_ro)
+            m.setattr(disk_module.os, "open", failing_open(OSError(errno.EROFS, "Read-only file system")))
             yield
     finally:
         os.chmod(folder, 0o755)
@@ -364,14 +347,8 @@ def test_read_only_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_disk_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tier = make(tmp_path)
-    real_open = aiofiles.open
-
-    def open_full(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        cm = real_open(file, mode, *args, **kwargs)
-        return _FullDisk(cm) if "w" in mode else cm
-
     with monkeypatch.context() as m:
-        m.setattr(aiofiles, "open", open_full)
+        m.setattr(disk_module.os, "writev", half_writev)
         assert not write(tier, 1)
         assert not write(tier, 2)
     assert tier.stats.errors == 2 and tier.stats.writes == 0
@@ -411,7 +388,7 @@ def test_errors_logged_once_per_kind(tmp_path: Path, monkeypatch: pytest.MonkeyP
                                      caplog: pytest.LogCaptureFixture) -> None:
     tier = make(tmp_path)
     with monkeypatch.context() as m:
-        m.setattr(aiofiles, "open", lambda *a, **k: _RaisingOpen(OSError(errno.ENOSPC, "No space left")))
+        m.setattr(disk_module.os, "open", failing_open(OSError(errno.ENOSPC, "No space left")))
         with caplog.at_level("ERROR", logger=disk_module.__name__):
             for i in range(5):
                 assert not write(tier, i)

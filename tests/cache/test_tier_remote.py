@@ -149,9 +149,9 @@ def test_a_large_write_goes_out_in_bounded_pipelines_and_lookups_run_between_the
         assert tier._sets is not None
         real_set = tier._sets.set
 
-        async def counting_set(records, ttl_s):  # type: ignore[no-untyped-def]
+        async def counting_set(records, ttl_s, executor=None):  # type: ignore[no-untyped-def]
             pipelines.append(len(records))
-            return await real_set(records, ttl_s)
+            return await real_set(records, ttl_s, executor)
 
         tier._sets.set = counting_set  # type: ignore[method-assign]
         try:

@@ -278,6 +278,31 @@ def test_sets_send_each_value_from_its_parts_with_the_ttl(redis_url, redis_serve
             client.delete("kvg-test:s1", "kvg-test:s2", "kvg-test:s3")
 
 
+def test_sets_can_be_sent_from_a_worker_thread(redis_url, redis_server) -> None:
+    """With an executor the payload is sent by its thread (waiting in select while the socket is
+    full); the replies are still read on the loop."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    big = [os.urandom(2_000_000) for _ in range(4)]
+
+    async def main() -> None:
+        pipe = SetPipe(endpoint(redis_url), 2.0)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                items = [(f"kvg-test:t{i}", [b"h", memoryview(v)]) for i, v in enumerate(big)]
+                assert await asyncio.wait_for(pipe.set(items, 60, executor=pool), 10) == ["OK"] * 4
+        finally:
+            pipe.close()
+
+    try:
+        run(main())
+        with redis_server.client() as client:
+            assert [client.get(f"kvg-test:t{i}") for i in range(4)] == [b"h" + v for v in big]
+    finally:
+        with redis_server.client() as client:
+            client.delete(*(f"kvg-test:t{i}" for i in range(4)))
+
+
 def test_a_connection_the_server_drops_is_reopened_on_the_next_call(redis_url, redis_server) -> None:
     with redis_server.client() as client:
         client.set("kvg-test:k", b"v")
