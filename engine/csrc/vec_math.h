@@ -7,31 +7,49 @@
 
 namespace kvgate {
 
-// exp(x) for any float: clamped to [-87, 88], x = n ln2 + r with |r| <= ln2/2, exp(r) by a
-// degree-7 Taylor polynomial (relative error < 2e-8 on that range), 2^n built in the exponent.
-inline float exp_clamped(float x) {
-  const float v = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const float r = v - k * 0.693145751953125f - k * 1.428606765330187e-06f;
-  float p = 1.98412698e-04f;
+// Eight lanes at a time (GCC vector extensions: AVX registers where there are, pairs of SSE or
+// NEON registers elsewhere).
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+// For v already clamped to [-87, 88]: v = k ln2 + r with |r| <= ln2/2 (k returned, rounded to
+// nearest), and exp(r) by a degree-7 Taylor polynomial (relative error < 2e-8 on that range).
+// T is float or f32x8: the scalar and the vector exp share this arithmetic.
+template <typename T>
+inline T exp_reduced(T v, T& k) {
+  k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const T r = v - k * 0.693145751953125f - k * 1.428606765330187e-06f;
+  T p = T{} + 1.98412698e-04f;
   p = p * r + 1.38888889e-03f;
   p = p * r + 8.33333333e-03f;
   p = p * r + 4.16666667e-02f;
   p = p * r + 1.66666667e-01f;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  return p * r + 1.0f;
+}
+
+// exp(x) for any float: clamped to [-87, 88], then exp(r) * 2^k with 2^k built in the exponent.
+inline float exp_clamped(float x) {
+  const float v = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  float k;
+  const float p = exp_reduced(v, k);
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(k) + 127) << 23);
 }
 
-// Eight lanes at a time (GCC vector extensions: AVX registers where there are, pairs of SSE or
-// NEON registers elsewhere), the same arithmetic as above. Loops whose result divides by the exp
-// use this form: from the scalar form GCC if-converted the clamp into per-range paths computed
-// on every lane and blended, and SiLU's clamped path (x / (1 + exp(88))) made a denormal on
-// every vector, each a microcode assist on Intel CPUs: SiLU*mul ran 8x slower than PyTorch's on
-// a Sapphire Rapids (not on Zen 3, which has no such assists).
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef int32_t i32x8 __attribute__((vector_size(32)));
+// The same for eight lanes. Loops whose result divides by the exp use this form: from the scalar
+// form GCC if-converted the clamp into per-range paths computed on every lane and blended, and
+// SiLU's clamped path (x / (1 + exp(88))) made a denormal on every vector, each a microcode
+// assist on Intel CPUs: SiLU*mul ran 8x slower than PyTorch's on a Sapphire Rapids (not on Zen 3,
+// which has no such assists). Here the clamp is a select on the vector: no lane takes a path.
+inline f32x8 exp_clamped(f32x8 x) {
+  const f32x8 lo = f32x8{} - 87.0f, hi = f32x8{} + 88.0f;
+  f32x8 v = x < lo ? lo : x;
+  v = v > hi ? hi : v;
+  f32x8 k;
+  const f32x8 p = exp_reduced(v, k);
+  return p * reinterpret_cast<f32x8>((__builtin_convertvector(k, i32x8) + 127) << 23);
+}
 
 inline f32x8 load8(const float* p) {
   f32x8 v;
@@ -40,22 +58,5 @@ inline f32x8 load8(const float* p) {
 }
 
 inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
-
-inline f32x8 exp_clamped(f32x8 x) {
-  const f32x8 lo = f32x8{} - 87.0f, hi = f32x8{} + 88.0f;
-  f32x8 v = x < lo ? lo : x;
-  v = v > hi ? hi : v;
-  const f32x8 k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const f32x8 r = v - k * 0.693145751953125f - k * 1.428606765330187e-06f;
-  f32x8 p = f32x8{} + 1.98412698e-04f;
-  p = p * r + 1.38888889e-03f;
-  p = p * r + 8.33333333e-03f;
-  p = p * r + 4.16666667e-02f;
-  p = p * r + 1.66666667e-01f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  return p * reinterpret_cast<f32x8>((__builtin_convertvector(k, i32x8) + 127) << 23);
-}
 
 }  // namespace kvgate
