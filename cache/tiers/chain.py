@@ -92,14 +92,17 @@ def _deprioritise() -> None:
 class IOLoop:
     """An asyncio event loop on a daemon thread; coroutines are submitted from other threads.
 
-    ``background`` is a small thread pool below normal CPU priority for the work nobody waits
-    for: disk writes and the sending of remote writes. Reads stay on the loop and its default
-    executor, at normal priority: a request waits for them."""
+    Below normal CPU priority, for the work nobody waits for: ``writer`` (2 threads) writes disk
+    files, ``sender`` (1 thread) sends remote writes' bytes — apart, so that a slow ``fsync``
+    never holds a write-through other replicas are waiting to see. Reads stay on the loop and
+    its default executor, at normal priority: a request waits for them."""
 
     def __init__(self, name: str = "kvgate-io") -> None:
         self.loop = asyncio.new_event_loop()
-        self.background = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{name}-bg",
-                                             initializer=_deprioritise)
+        self.writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{name}-write",
+                                         initializer=_deprioritise)
+        self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-send",
+                                         initializer=_deprioritise)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -127,7 +130,8 @@ class IOLoop:
         self.thread.join(10)
         if not self.loop.is_running():
             self.loop.close()
-        self.background.shutdown(wait=False, cancel_futures=True)
+        self.writer.shutdown(wait=False, cancel_futures=True)
+        self.sender.shutdown(wait=False, cancel_futures=True)
 
 
 class TierChain:
@@ -144,7 +148,7 @@ class TierChain:
         self.stats = ChainStats()
         self.io = IOLoop() if disk is not None or remote is not None else None
         if remote is not None and self.io is not None:
-            remote.write_executor = self.io.background
+            remote.write_executor = self.io.sender
         self._pending_writes = 0
         self._write_lock = threading.Lock()
         # ("block", key, payload | None) and ("done", token, JobTimes), in the order they happened
@@ -190,7 +194,7 @@ class TierChain:
             self.write_remote([(key, payload)], owner)
         if self.disk is None or self.io is None or not self.disk.ledger.admits(owner) or not self._reserve_write(1):
             return
-        coro = self._timed("disk_write", self.disk.write(key, payload, owner, executor=self.io.background),
+        coro = self._timed("disk_write", self.disk.write(key, payload, owner, executor=self.io.writer),
                            time.perf_counter())
         self.io.submit(coro).add_done_callback(self._write_done)
 
@@ -491,7 +495,7 @@ class TierChain:
         if name in ("disk", "remote") and self.io is None:
             self.io = IOLoop()
         if name == "remote" and self.io is not None:
-            tier.write_executor = self.io.background
+            tier.write_executor = self.io.sender
 
     def detach(self, name: str, flush_timeout_s: float = 10.0) -> None:
         """Take a tier out. Host blocks are written to disk first (when a disk tier is there);

@@ -5,7 +5,7 @@
 Files hold `codec` records (header + payload). Reads and writes are coroutines run on the chain's
 I/O event loop (`aiofiles`), never on the step loop. A write goes to a temporary file, is
 fsync'ed and renamed over the final name, so a crash leaves either the whole block or nothing;
-that file work is one call on a worker thread (the chain's background executor: writes are
+that file work is one call on a worker thread (the chain's writer threads: writes are
 demotions nobody waits for, so they run below the step loop's CPU priority).
 The index is rebuilt from the folder when the tier starts (blocks outlive restarts), oldest
 modification time first as eviction order; leftover temporary files are removed. Capacity is

@@ -91,8 +91,8 @@ class RemoteTier:
         where = None if cluster else endpoint(url)
         self._gets = GetPipe(where, timeout_s, max_value=fmt.record_size) if where is not None else None
         self._sets = SetPipe(where, timeout_s) if where is not None else None
-        # where SetPipe sends write payloads (the chain's background threads, below the step
-        # loop's priority); None: on the I/O loop itself
+        # where SetPipe sends write payloads (the chain's sender thread, below the step loop's
+        # priority); None: on the I/O loop itself
         self.write_executor: Executor | None = None
         self._logged = False
         # owner → (opaque tag, quota in blocks or None): who is accounted in Redis (see `put`)

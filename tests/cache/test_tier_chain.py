@@ -448,14 +448,15 @@ def test_remote_blocks_without_a_host_tier_are_staged_then_promoted_once(redis_u
 
 def test_writes_run_on_background_threads_below_normal_priority(
         tmp_path: Path, redis_url: str, chains: list[TierChain], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Disk writes and remote write payloads are sent from the I/O loop's background threads,
-    niced by BACKGROUND_NICE (they must not take CPU from the step loop); reads are not."""
+    """Disk writes run on the I/O loop's writer threads and remote write payloads are sent from
+    its sender thread, both niced by BACKGROUND_NICE (they must not take CPU from the step loop)."""
     import os
 
     from cache.tiers import chain as chain_module
     from cache.tiers import resp
 
     writers: set[str] = set()
+    senders: set[str] = set()
     real_writev, real_send = os.writev, resp._send_blocking
 
     def spy_writev(fd: int, bufs: object) -> int:
@@ -463,7 +464,7 @@ def test_writes_run_on_background_threads_below_normal_priority(
         return real_writev(fd, bufs)  # type: ignore[arg-type]
 
     def spy_send(sock: object, buffers: object) -> None:
-        writers.add(threading.current_thread().name)
+        senders.add(threading.current_thread().name)
         real_send(sock, buffers)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "writev", spy_writev)
@@ -475,7 +476,9 @@ def test_writes_run_on_background_threads_below_normal_priority(
     chain.write_remote([(key(i), raw(i)) for i in range(6)])
     assert chain.drain_writes(WAIT_S)
     assert len(disk) == 4 and chain.remote is not None and chain.remote.stats.puts == 6
-    assert writers and all(name.startswith("kvgate-io-bg") for name in writers), writers
-    nice = chain.io.background.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    assert writers and all(name.startswith("kvgate-io-write") for name in writers), writers
+    assert senders and all(name.startswith("kvgate-io-send") for name in senders), senders
     here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert nice == min(19, here + chain_module.BACKGROUND_NICE)
+    for pool in (chain.io.writer, chain.io.sender):
+        nice = pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+        assert nice == min(19, here + chain_module.BACKGROUND_NICE)
