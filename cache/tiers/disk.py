@@ -32,6 +32,7 @@ import numpy
 from cache.quota import UNKNOWN, QuotaLedger, pick_victim
 from cache.telemetry import BlockLife
 from cache.tiers.codec import HEADER_SIZE, BlockFormat, CorruptBlockError, check, encode_header
+from cache.tiers.iov import advance
 from cache.tiers.policy import make_policy
 from cache.tiers.stats import RateEstimate, TierStats
 
@@ -249,7 +250,7 @@ class DiskTier:
         self.stats.metadata_bytes += HEADER_SIZE
         self.stats.writes += 1
         self.stats.write_time_s += elapsed
-        self.stats.bytes_written += len(header) + memoryview(payload).nbytes
+        self.stats.bytes_written += self.fmt.record_size
         return True
 
     def delete(self, key: bytes) -> bool:
@@ -294,12 +295,7 @@ def _write_file(tmp: Path, final: Path, header: bytes, payload: bytes | memoryvi
     try:
         bufs = [memoryview(header), memoryview(payload).cast("B")]
         while bufs:
-            n = os.writev(fd, bufs)
-            while bufs and n >= len(bufs[0]):
-                n -= len(bufs[0])
-                bufs = bufs[1:]
-            if bufs and n:
-                bufs = [bufs[0][n:], *bufs[1:]]
+            bufs = advance(bufs, os.writev(fd, bufs))
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -314,11 +310,7 @@ def _read_scattered(fd: int, bufs: list[memoryview]) -> int:
         if n == 0:
             break
         total += n
-        while bufs and n >= len(bufs[0]):
-            n -= len(bufs[0])
-            bufs = bufs[1:]
-        if bufs and n:
-            bufs = [bufs[0][n:], *bufs[1:]]
+        bufs = advance(bufs, n)
     return total
 
 

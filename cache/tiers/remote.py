@@ -263,12 +263,14 @@ class RemoteTier:
         per = max(1, WRITE_PIPELINE_BYTES // max(1, self.fmt.record_size))
         for start in range(0, len(items), per):  # the I/O loop is free between pipelines
             chunk = items[start:start + per]
+            names = [self.key(k) for k, _ in chunk]
             t0 = time.perf_counter()
             if self._sets is not None:  # header and payload sent from where they lie (resp.py)
-                records = [(self.key(k), [encode_header(self.fmt, k, payload), payload]) for k, payload in chunk]
+                records = [(name, [encode_header(self.fmt, k, payload), payload])
+                           for name, (k, payload) in zip(names, chunk, strict=True)]
                 result = await self._guarded(lambda records=records: self._set_all(records))
             else:
-                joined = [(self.key(k), encode(self.fmt, k, payload)) for k, payload in chunk]
+                joined = [(name, encode(self.fmt, k, payload)) for name, (k, payload) in zip(names, chunk, strict=True)]
                 result = await self._run(lambda pipe, joined=joined: [pipe.set(k, v, ex=self.ttl_s) for k, v in joined])
             if result is None:
                 self.stats.dropped += len(items) - start
@@ -277,7 +279,6 @@ class RemoteTier:
             self.stats.puts += len(chunk)
             self.stats.writes += 1
             self.stats.write_time_s += time.perf_counter() - t0
-            names = [self.key(k) for k, _ in chunk]
             key_bytes = sum(len(name) for name in names)
             sent = key_bytes + len(chunk) * self.fmt.record_size
             self.stats.bytes_written += sent - key_bytes

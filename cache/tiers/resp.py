@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy
 
+from cache.tiers.iov import advance
+
 _SCRATCH_BYTES = 64 * 1024  # reply lines and the first bytes of values land here
 _MAX_LINE = 64 * 1024
 _DIRECT_MIN = 4096  # a value with at least this much still to come is received in place
@@ -295,44 +297,29 @@ class GetPipe:
 _IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
 
 
-def _advance(views: collections.deque[memoryview], sent: int) -> None:
-    """Drop the first ``sent`` bytes of ``views`` (what one ``sendmsg`` took)."""
-    while sent:
-        head = views[0]
-        if sent >= head.nbytes:
-            sent -= head.nbytes
-            views.popleft()
-        else:
-            views[0], sent = head[sent:], 0
-
-
-def _send_blocking(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
-    """Send every byte of ``buffers`` from a worker thread, waiting in ``select`` while the
-    (non-blocking) socket is full; gives up when the socket is closed under it."""
-    views = collections.deque(memoryview(b).cast("B") for b in buffers)
+def _send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
+    """Send every byte of ``buffers`` in order on the non-blocking ``sock`` (``sendmsg`` from
+    where they lie), waiting in ``select`` while it is full; gives up when the socket is closed
+    under it. Blocks: run it on a worker thread (`SetPipe.set` does)."""
+    views = [memoryview(b).cast("B") for b in buffers]
     while views:
         if sock.fileno() < 0:
             raise ConnectionError("the connection was closed while sending")
         try:
-            sent = sock.sendmsg([views[i] for i in range(min(len(views), _IOV_MAX))])
+            sent = sock.sendmsg(views[:_IOV_MAX])
         except (BlockingIOError, InterruptedError):
             select.select([], [sock], [], 0.1)
             continue
-        _advance(views, sent)
-
-
-def _wake(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+        views = advance(views, sent)
 
 
 class SetPipe:
     """One connection to one Redis server for pipelined ``SET key value EX ttl`` whose values are
     sent from the caller's buffers, several per value (a header and a payload), with ``sendmsg``.
 
-    A plain non-blocking socket on the running loop: sends wait for writability, replies are read
-    by a `ReplyReader` fed from the loop's reader callback. One pipeline at a time (a lock); a
-    broken stream, a timeout or a cancellation closes the connection: the next call reconnects.
+    A plain non-blocking socket: a worker thread sends (`_send_all`), replies are read by a
+    `ReplyReader` fed from the loop's reader callback. One pipeline at a time (a lock); a broken
+    stream, a timeout or a cancellation closes the connection: the next call reconnects.
     """
 
     def __init__(self, where: dict[str, Any], connect_timeout_s: float) -> None:
@@ -346,8 +333,8 @@ class SetPipe:
                   executor: Executor | None = None) -> list[Any]:
         """Store each ``(key, parts)``: the value is the parts one after the other. Returns one
         reply per item ("OK", or a `RespError` such as an OOM refusal); raises on a broken or
-        refused connection. With an ``executor`` the bytes are sent by one of its threads (the
-        replies are still read on the loop), else on the loop as the socket drains."""
+        refused connection. The bytes are sent by a thread of ``executor`` (None: the loop's
+        default executor); the replies are read on the loop."""
         if not items:
             return []
         expiry = str(int(ttl_s)).encode()
@@ -363,34 +350,11 @@ class SetPipe:
             try:
                 sock, reader = await self._connected()
                 waiter = reader.expect(len(items))
-                if executor is None:
-                    await self._send(sock, buffers)
-                else:
-                    await asyncio.get_running_loop().run_in_executor(executor, _send_blocking, sock, buffers)
+                await asyncio.get_running_loop().run_in_executor(executor, _send_all, sock, buffers)
                 return await waiter
             except BaseException:
                 self.close()
                 raise
-
-    async def _send(self, sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
-        """Send every byte of ``buffers`` in order, waiting for the socket to drain as needed."""
-        loop = asyncio.get_running_loop()
-        views = collections.deque(memoryview(b).cast("B") for b in buffers)
-        while views:
-            try:
-                sent = sock.sendmsg([views[i] for i in range(min(len(views), _IOV_MAX))])
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            _advance(views, sent)
-            if views:
-                writable = loop.create_future()
-                loop.add_writer(sock.fileno(), _wake, writable)
-                try:
-                    await writable
-                finally:
-                    loop.remove_writer(sock.fileno())
-            if self._reader is not None and self._reader.lost is not None:
-                raise self._reader.lost
 
     def _readable(self) -> None:
         sock, reader = self._sock, self._reader
@@ -435,7 +399,7 @@ class SetPipe:
         setup = setup_commands(where)
         if setup:
             waiter = reader.expect(len(setup))
-            await self._send(sock, setup)
+            _send_all(sock, setup)  # a few bytes on a fresh connection: they fit its buffer at once
             for reply in await waiter:
                 if isinstance(reply, RespError):
                     raise reply

@@ -457,7 +457,7 @@ def test_writes_run_on_background_threads_below_normal_priority(
 
     writers: set[str] = set()
     senders: set[str] = set()
-    real_writev, real_send = os.writev, resp._send_blocking
+    real_writev, real_send = os.writev, resp._send_all
 
     def spy_writev(fd: int, bufs: object) -> int:
         writers.add(threading.current_thread().name)
@@ -468,7 +468,7 @@ def test_writes_run_on_background_threads_below_normal_priority(
         real_send(sock, buffers)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "writev", spy_writev)
-    monkeypatch.setattr(resp, "_send_blocking", spy_send)
+    monkeypatch.setattr(resp, "_send_all", spy_send)
     disk = DiskTier(tmp_path / "disk", 32 * FMT.record_size, FMT)
     chains.append(chain := TierChain(HostTier(2 * NB, NB), disk, remote=RemoteTier(redis_url, FMT, timeout_s=5.0)))
     assert chain.io is not None
