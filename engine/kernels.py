@@ -77,7 +77,8 @@ def _compiler() -> str | None:
 def build_dir() -> Path:
     """Where this machine's build of the kernels lives (one folder per source/torch/CPU digest)."""
     digest = hashlib.blake2b(digest_size=8)
-    for part in (*(source.read_bytes() for source in sorted(_SOURCES[0].parent.iterdir())),
+    for part in (*(source.read_bytes() for source in sorted(_SOURCES[0].parent.iterdir())
+                   if source.suffix in (".cpp", ".h")),
                  torch.__version__.encode(), " ".join(_CFLAGS + _LDFLAGS).encode(),
                  (_compiler() or "").encode(),
                  _cpu_flags().encode(), platform.machine().encode()):
