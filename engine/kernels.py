@@ -13,8 +13,10 @@ The source is compiled by one call of the machine's C++ compiler (against torch'
 build system) the first time an engine starts (~15 s on 2 cores) into
 `$KVGATE_CACHE_DIR/kernels/<digest>` (or `$KVGATE_KERNEL_DIR/<digest>`), where the digest covers the source, the torch version, the
 compiler and its flags and the CPU's instruction set flags, so a cache folder shared between machines never loads a binary built for another CPU.
-Without a compiler, or if the build fails, `load()` logs why once and returns None: the engine
-then runs the PyTorch path, which gives the same results (tests/engine/test_kernels.py).
+Without a compiler, if the build fails, or if the build computes anything other than what PyTorch
+computes on small inputs (engine/kernel_check.py, once per process), `load()` logs why once and
+returns None: the engine then runs the PyTorch path, which gives the same results
+(tests/engine/test_kernels.py).
 `[engine] native_kernels = false` skips the build.
 """
 
@@ -34,6 +36,7 @@ from typing import Any
 
 import torch
 
+from engine import kernel_check
 from engine.tiny_model import cache_root
 
 logger = logging.getLogger(__name__)
@@ -120,6 +123,12 @@ def _build_and_load() -> NativeOps | None:
         reason = next((line for line in lines if "error" in line), lines[0])
         logger.warning("could not build or load KVGate's native CPU kernels (%s: %s); decode steps use "
                        "the slower PyTorch path. Delete %s to rebuild.", type(exc).__name__, reason, folder)
+        return None
+    mismatch = kernel_check.first_mismatch(ops)
+    if mismatch is not None:
+        logger.warning("KVGate's native CPU kernels built in %s compute wrong results on this machine (%s); "
+                       "the engine uses the PyTorch path instead. Please report the compiler (%s) and torch %s.",
+                       folder, mismatch, compiler, torch.__version__)
         return None
     return ops
 

@@ -42,6 +42,8 @@ def measure(mode: str) -> list[int]:
 def test_freed_activations_stay_in_the_heap_instead_of_fresh_mmaps() -> None:
     mapped, heap_growth, heap_kept = measure("keep")
     assert mapped == 0  # not an mmap of its own
-    assert heap_growth >= 16 << 20 and heap_kept >= 16 << 20  # in the heap, and still there after free
+    # in the heap, and still there after free; the heap's top may already have held a few pages of
+    # it (Ubuntu 24.04's glibc grew the arena by 16 MiB - 28 KiB), hence "15 MiB or more"
+    assert heap_growth >= 15 << 20 and heap_kept >= 15 << 20
     mapped, _, heap_kept = measure("default")  # glibc's defaults: its own mmap, gone when freed
-    assert mapped >= 16 << 20 and heap_kept < 16 << 20
+    assert mapped >= 16 << 20 and heap_kept < 1 << 20

@@ -104,8 +104,8 @@ def test_engine_outputs_and_logits_are_the_same_with_and_without_the_kernel(tiny
     cores = {}
     outputs = {}
     for native in (True, False):
-        core = EngineCore(EngineConfig(model="tiny", num_blocks=128, max_num_batched_tokens=512,
-                                       native_kernels=native), loaded=load_model(str(tiny_model_dir)))
+        core = EngineCore(EngineConfig(model="tiny", num_blocks=128, max_num_batched_tokens=512, device="cpu",
+                                       native_kernels=native), loaded=load_model(str(tiny_model_dir), device="cpu"))
         assert (core.runner.paged_kernel is not None) is native
         rng = random.Random(3)
         doc = [rng.randrange(3, core.vocab_size) for _ in range(90)]
@@ -235,3 +235,47 @@ def test_packed_layers_take_the_small_kernel_for_few_rows_only() -> None:
     assert calls == [1, layer.small_rows]
     use_small_kernel([layer], None)
     assert layer.small is None
+
+
+def _off_by_a_little(name: str, real):
+    """`real` with its result (or, for the in-place ops, what it writes) off by 0.01 in one place."""
+    def wrong(*args):
+        out = real(*args)
+        if name == "rope_write_kv":
+            args[5][args[7][0], args[8][0], 0, 0] += 0.01  # one key written to the pool
+        elif name == "add_rms_norm":
+            args[1][0, 0] += 0.01  # the residual it updates in place
+        else:
+            out[(0,) * out.dim()] += 0.01
+        return out
+    return wrong
+
+
+@needs_ops
+def test_self_check_accepts_this_build() -> None:
+    from engine.kernel_check import first_mismatch
+
+    assert first_mismatch(ops) is None
+
+
+@needs_ops
+@pytest.mark.parametrize("name", ["silu_mul", "rms_norm", "add_rms_norm", "small_linear", "rope_write_kv",
+                                  "paged_attention"])
+def test_self_check_names_an_op_that_computes_wrong_values(name: str) -> None:
+    import dataclasses
+
+    from engine.kernel_check import first_mismatch
+
+    broken = dataclasses.replace(ops, **{name: _off_by_a_little(name, getattr(ops, name))})
+    assert (first_mismatch(broken) or "").startswith(f"{name}: ")
+
+
+@needs_ops
+def test_a_build_that_fails_the_self_check_is_not_used(monkeypatch, caplog) -> None:
+    from engine import kernel_check
+
+    monkeypatch.setattr(kernel_check, "first_mismatch", lambda ops: "silu_mul: Tensor-likes are not close!")
+    with caplog.at_level(logging.WARNING, logger="engine.kernels"):
+        assert kernels._build_and_load() is None
+    assert "compute wrong results on this machine (silu_mul: Tensor-likes are not close!)" in caplog.text
+    assert "PyTorch path" in caplog.text

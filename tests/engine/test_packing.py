@@ -45,7 +45,7 @@ def test_calibration_times_each_decoder_shape_once_and_never_the_output_head(tin
     from engine.model import load_model
     from engine.packing import _calibration_layers
 
-    model = load_model(str(tiny_model_dir)).model
+    model = load_model(str(tiny_model_dir), device="cpu").model  # packing is a CPU feature (CUDA too may be here)
     pack_model(model, torch.device("cpu"), torch.float32)
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     head = model.get_output_embeddings()

@@ -1,0 +1,107 @@
+"""A numerical self-check of a native kernel build before the engine trusts it.
+
+The kernels are compiled on the serving machine, by whatever compiler and torch it has. One such
+build (Ubuntu 24.04's GCC 13, torch 2.11, an Intel Xeon) computed wrong values in
+tests/engine/test_fast_decoder.py while every PyTorch path was right: a build we never ran
+before must not reach a model's logits unchecked. `first_mismatch` runs each op once on small
+seeded inputs shaped to reach its vector loops and their tails (head size 64, row counts that are
+not multiples of the tiles) and compares with the same arithmetic in PyTorch; a few milliseconds,
+once per process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+_TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def first_mismatch(ops: Any) -> str | None:
+    """The name of the first op of `ops` (an engine.kernels.NativeOps) whose result differs from
+    PyTorch's, with what differed; None when all agree."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    for name, check in (("silu_mul", _silu_mul), ("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm),
+                        ("small_linear", _small_linear), ("rope_write_kv", _rope_write_kv),
+                        ("paged_attention", _paged_attention)):
+        try:
+            with torch.inference_mode():
+                check(ops, rand)
+        except (AssertionError, RuntimeError) as exc:
+            return f"{name}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+    return None
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(got, expected, **_TOL)
+
+
+def _silu_mul(ops: Any, rand: Any) -> None:
+    gate_up = rand(5, 2 * 44) * 4  # 44 = five 8-lane vectors and a scalar tail
+    gate, up = gate_up.chunk(2, dim=1)
+    _close(ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def _rms_norm(ops: Any, rand: Any) -> None:
+    x, weight = rand(5, 72), rand(72)
+    _close(ops.rms_norm(x, weight, 1e-5), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight)
+
+
+def _add_rms_norm(ops: Any, rand: Any) -> None:
+    x, residual, weight = rand(5, 72), rand(5, 72), rand(72)
+    total = residual + x
+    got = ops.add_rms_norm(x, residual, weight, 1e-5)
+    _close(residual, total)
+    _close(got, total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5) * weight)
+
+
+def _small_linear(ops: Any, rand: Any) -> None:
+    x, weight, bias = rand(7, 64), rand(11, 64), rand(11)  # a 4-row tile and 3 single rows; 3 tiles of outputs and 2 more
+    _close(ops.small_linear(x, weight, bias), F.linear(x, weight, bias))
+    _close(ops.small_linear(x, weight, None), F.linear(x, weight))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
+
+
+def _rope_write_kv(ops: Any, rand: Any) -> None:
+    tokens, heads, kv_heads, dim, block = 5, 4, 2, 64, 4
+    q, k, v = rand(tokens, heads, dim), rand(tokens, kv_heads, dim), rand(tokens, kv_heads, dim)
+    angle = rand(tokens, dim)
+    cos, sin = angle.cos(), angle.sin()
+    k_cache, v_cache = torch.zeros(3, block, kv_heads, dim), torch.zeros(3, block, kv_heads, dim)
+    blocks, offsets = torch.tensor([2, 2, 0, 1, 1]), torch.tensor([0, 3, 1, 2, 0])
+    q_expected, k_expected = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    ops.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, blocks, offsets)
+    _close(q, q_expected)
+    _close(k, k_expected)
+    _close(k_cache[blocks, offsets], k_expected)
+    _close(v_cache[blocks, offsets], v)
+
+
+def _paged_attention(ops: Any, rand: Any) -> None:
+    heads, kv_heads, dim, block = 4, 2, 64, 8
+    k_cache, v_cache = rand(6, block, kv_heads, dim), rand(6, block, kv_heads, dim)
+    tables = torch.tensor([[4, 1, 5], [2, 0, 0]])
+    spans = [(3, 21), (1, 9)]  # a 3-row chunk over 21 keys (a 9-key tail of 8-key scores), a decode
+    q_start, ctx_lens = torch.tensor([0, 3, 4]), torch.tensor([ctx for _, ctx in spans])
+    q = rand(4, heads, dim)
+    scale = dim ** -0.5
+    got = ops.paged_attention(q, k_cache, v_cache, tables, q_start, ctx_lens, scale, 16)  # two splits
+    expected = []
+    for s, (rows, ctx) in enumerate(spans):
+        k = k_cache[tables[s]].reshape(-1, kv_heads, dim)[:ctx].repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache[tables[s]].reshape(-1, kv_heads, dim)[:ctx].repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("rhd,khd->hrk", q[q_start[s]:q_start[s + 1]], k) * scale
+        visible = torch.arange(ctx)[None, :] <= (ctx - rows + torch.arange(rows))[:, None]
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        expected.append(torch.einsum("hrk,khd->rhd", weights, v))
+    _close(got, torch.cat(expected))
