@@ -313,23 +313,26 @@ class TierChain:
             for key in also_wait_for:
                 self.host.touch(key)
         dests = [self._reserve_slot(key, owner) for key in keys]
+        # remote blocks may not exist: they get only slots that are free now (a miss costs no host block)
+        remote_dests = [self._reserve_slot(key, owner, evict=False) for key in remote]
         self._inflight.update(keys)
         for key in (*keys, *remote):
             self._owners.setdefault(key, owner)
         self._job_keys[token] = [*keys, *remote]
         self._jobs.add(token)
         self._job_started[token] = time.monotonic()
-        self.io.submit(self._job(token, keys, dests, waits, remote, block_tokens, prefill_tokens_per_s,
+        self.io.submit(self._job(token, keys, dests, waits, remote, remote_dests, block_tokens, prefill_tokens_per_s,
                                  self.disk, self.remote, time.perf_counter()))
         self.stats.prefetches += 1
         return True
 
-    def _reserve_slot(self, key: bytes, owner: str) -> memoryview | None:
-        """A host slot for a disk read of ``key`` to land in (no copy afterwards), or None: the
-        block then arrives in a buffer of its own and is copied in by `poll`."""
-        if self.host is None:
+    def _reserve_slot(self, key: bytes, owner: str, evict: bool = True) -> memoryview | None:
+        """A host slot for a read of ``key`` to land in (no copy afterwards), or None: the block
+        then arrives in a buffer of its own and is copied in by `poll`. A key that already has
+        a slot (another job's) gets none."""
+        if self.host is None or key in self._slots:
             return None
-        reserved = self.host.reserve(owner)
+        reserved = self.host.reserve(owner, evict)
         if reserved is None:
             return None
         slot, view, evicted = reserved
@@ -339,11 +342,12 @@ class TierChain:
         return view
 
     async def _job(self, token: Hashable, keys: list[bytes], dests: list[memoryview | None],
-                   waits: list[bytes], remote_keys: list[bytes],
+                   waits: list[bytes], remote_keys: list[bytes], remote_dests: list[memoryview | None],
                    block_tokens: int, prefill_tokens_per_s: float | None, disk: DiskTier | None,
                    remote: RemoteTier | None, issued: float) -> None:
         # the tiers are captured when the job is submitted: a detach meanwhile cannot pull them away
         times = JobTimes()
+        delivered: set[bytes] = set()
         try:
             t0 = time.perf_counter()
             own = self._disk_reads(keys, dests, disk, issued) if disk is not None else []
@@ -354,11 +358,15 @@ class TierChain:
             if disk is not None and nbytes:  # the rate of the batch as issued: reads overlap
                 disk.rate.observe(nbytes, time.perf_counter() - t0, ops=len(own))
             if remote_keys and remote is not None:
-                await self._remote_fetch(remote, remote_keys, block_tokens, prefill_tokens_per_s, times)
+                await self._remote_fetch(remote, remote_keys, remote_dests, block_tokens, prefill_tokens_per_s,
+                                         times, delivered)
             times.io_s = time.perf_counter() - t0
         except Exception:  # never leave a waiter hanging
             logger.exception("cache prefetch failed")
         finally:
+            for key, dest in zip(remote_keys, remote_dests, strict=True):
+                if dest is not None and key not in delivered:  # its slot was not filled: `poll` frees it
+                    self._events.put(("block", key, None))
             self._events.put(("done", token, times))
 
     def _disk_reads(self, keys: list[bytes], dests: list[memoryview | None], disk: DiskTier,
@@ -394,8 +402,12 @@ class TierChain:
                 if future is not None and not future.done():
                     future.set_result(len(payload) if payload is not None else 0)
 
-    async def _remote_fetch(self, remote: RemoteTier, keys: list[bytes], block_tokens: int,
-                            prefill_tokens_per_s: float | None, times: JobTimes) -> None:
+    async def _remote_fetch(self, remote: RemoteTier, keys: list[bytes], dests: list[memoryview | None],
+                            block_tokens: int, prefill_tokens_per_s: float | None, times: JobTimes,
+                            delivered: set[bytes]) -> None:
+        """Check which leading ``keys`` the store holds and GET them (into ``dests``, the host
+        slots reserved for them, where given); each block fetched is an event for `poll`, its key
+        added to ``delivered``."""
         t0 = time.perf_counter()
         present = await remote.exists(keys)
         times.exists_s = time.perf_counter() - t0
@@ -415,15 +427,17 @@ class TierChain:
         for key in fresh:
             self._remote_reads[key] = loop.create_future()
         payloads: list[memoryview | None] = [None] * len(fresh)
+        dest_of = dict(zip(keys, dests, strict=True))
         try:
             if fresh:
-                payloads = await remote.get(fresh)
+                payloads = await remote.get(fresh, [dest_of[k] for k in fresh])
         finally:
             complete = True  # blocks after a missing one continue no prefix: not loaded
             for key, payload in zip(fresh, payloads, strict=True):
                 complete = complete and payload is not None
                 if complete:
                     self._events.put(("block", key, payload))
+                    delivered.add(key)
                     times.blocks += 1
                 future = self._remote_reads.pop(key)
                 if not future.done():
@@ -464,9 +478,9 @@ class TierChain:
                     reserved[0].release(reserved[1])
                 continue
             self.stats.prefetched_blocks += 1
-            if reserved is not None:
+            if reserved is not None:  # (a remote block found the slot taken by another job's read: copied in)
                 host, slot = reserved
-                for victim, evicted, victim_owner in host.commit(key, slot, self._owners.get(key, UNKNOWN)):
+                for victim, evicted, victim_owner in host.commit(key, slot, self._owners.get(key, UNKNOWN), payload):
                     if host is self.host:  # (a host detached meanwhile takes its blocks with it)
                         self._write(victim, evicted, victim_owner)
             elif self.host is not None:

@@ -2,9 +2,10 @@
 
 Only the engine's step-loop thread touches it: device evictions are copied in (one memcpy per
 block, no serialisation), promotions copied out into a device block, and blocks that the disk
-tier loaded are read straight into slots the loop reserved for them (`reserve`, then `commit`
-or `release`), or handed over by the loop (remote loads). When full, the eviction policy picks
-a victim whose bytes are returned to the caller, who passes them down the chain.
+tier or the remote tier loaded are read straight into slots the loop reserved for them
+(`reserve`, then `commit` or `release`), or copied in from the buffers they arrived in. When
+full, the eviction policy picks a victim whose bytes are returned to the caller, who passes
+them down the chain.
 """
 
 from __future__ import annotations
@@ -83,20 +84,27 @@ class HostTier:
             self.policy.touch(key)
             self.ledger.touch(key)
 
-    def reserve(self, owner: str = UNKNOWN) -> tuple[int, memoryview, list[tuple[bytes, bytes, str]]] | None:
-        """A slot for a block to be read straight into (a disk load), outside the index until
-        `commit` or `release`: (slot, a writable view of it, blocks evicted to make room). None
-        when ``owner`` may hold no host block or every slot is already reserved."""
-        if not self.ledger.admits(owner) or not self._free and not self._index:
+    def reserve(self, owner: str = UNKNOWN, evict: bool = True) -> tuple[int, memoryview, list[tuple[bytes, bytes, str]]] | None:
+        """A slot for a block to be read straight into (a disk or remote load), outside the index
+        until `commit` or `release`: (slot, a writable view of it, blocks evicted to make room).
+        None when ``owner`` may hold no host block, every slot is already reserved, or (``evict``
+        False) no slot is free."""
+        if not self.ledger.admits(owner) or not self._free and (not self._index or not evict):
             return None
         evicted = [] if self._free else [self._evict_one(owner)]
         slot = self._free.pop()
         self._reserved.add(slot)
         return slot, self.slots[slot].numpy().data, evicted
 
-    def commit(self, key: bytes, slot: int, owner: str = UNKNOWN) -> list[tuple[bytes, bytes, str]]:
-        """A reserved slot now holds ``key``'s block for ``owner``: index it. Returns blocks that had
-        to leave (``owner`` at its quota)."""
+    def commit(self, key: bytes, slot: int, owner: str = UNKNOWN,
+               payload: memoryview | None = None) -> list[tuple[bytes, bytes, str]]:
+        """A reserved slot now holds ``key``'s block for ``owner``: index it. ``payload``: the
+        block as the read delivered it, copied in unless it is the slot itself. Returns blocks that
+        had to leave (``owner`` at its quota)."""
+        if payload is not None:
+            data = numpy.frombuffer(payload, dtype=numpy.uint8)
+            if data.ctypes.data != self.slots[slot].data_ptr():  # it came in a buffer of its own
+                self.slots[slot].numpy()[:] = data
         self._reserved.remove(slot)
         if key in self._index:  # the block arrived meanwhile by another path
             self._free.append(slot)

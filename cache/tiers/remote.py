@@ -22,7 +22,15 @@ from concurrent.futures import Executor
 from typing import Any
 
 from cache.telemetry import AccessPattern, BlockLife
-from cache.tiers.codec import HEADER_SIZE, BlockFormat, CorruptBlockError, decode, encode, encode_header
+from cache.tiers.codec import (
+    HEADER_SIZE,
+    BlockFormat,
+    CorruptBlockError,
+    check,
+    decode,
+    encode,
+    encode_header,
+)
 from cache.tiers.resp import GetPipe, RespError, SetPipe, endpoint
 from cache.tiers.stats import RateEstimate, TierStats
 
@@ -187,16 +195,38 @@ class RemoteTier:
             return [False] * len(keys)
         return [bool(r) for r in result]
 
-    async def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
-        """Payloads for ``keys`` (None for a miss, an invalid record, or a store that is down)."""
+    async def get(self, keys: Sequence[bytes], dests: Sequence[memoryview | None] = ()) -> list[memoryview | None]:
+        """Payloads for ``keys`` (None for a miss, an invalid record, or a store that is down).
+        ``dests[i]``, where given, is a writable buffer of one payload's size (a host slot): the
+        payload of ``keys[i]`` is received straight into it and the result is that buffer (over
+        redis-py, for TLS and Cluster, copied into it here, on the I/O loop), or None. Records
+        are checked as they arrive (resp.py), the checksum of one while the next is received."""
         if not keys:
             return []
         t0 = time.perf_counter()
+
+        def verify(i: int, data: Any) -> memoryview | CorruptBlockError | None:
+            if data is None:
+                return None
+            try:
+                if isinstance(data, tuple):  # received as (header, the destination)
+                    return check(self.fmt, keys[i], data[0], data[1], data[1].nbytes)
+                payload = decode(self.fmt, keys[i], data)  # a view of the reply: no copy
+                dest = dests[i] if i < len(dests) else None
+                if dest is None:
+                    return payload
+                dest[:] = payload
+                return dest
+            except Exception as exc:  # runs inside the reply reader: it must not raise
+                return exc if isinstance(exc, CorruptBlockError) else CorruptBlockError(f"unreadable record ({exc})")
+
         if self._gets is not None:  # values received in place (resp.py); redis-py for the rest
             gets = self._gets
-            result = await self._guarded(lambda: gets.get([self.key(k) for k in keys]))
+            result = await self._guarded(lambda: gets.get([self.key(k) for k in keys], dests, HEADER_SIZE, verify))
         else:
             result = await self._run(lambda pipe: [pipe.get(self.key(k)) for k in keys])
+            if result is not None:
+                result = [verify(i, data) for i, data in enumerate(result)]
         elapsed = time.perf_counter() - t0
         if result is None:
             self.stats.misses += len(keys)
@@ -204,22 +234,21 @@ class RemoteTier:
         out: list[memoryview | None] = []
         bad: list[bytes] = []
         nbytes = 0
-        for key, data in zip(keys, result, strict=True):
-            if data is None:
-                self.stats.misses += 1
-                out.append(None)
-                continue
-            try:
-                out.append(decode(self.fmt, key, data))  # a view of the reply: no copy
-                nbytes += len(data)
-                self.stats.hits += 1
-                self.life.accessed(key)
-            except CorruptBlockError as exc:
-                logger.warning("remote cache: block %s is unusable (%s); deleted", key.hex()[:16], exc)
+        for key, got in zip(keys, result, strict=True):
+            if isinstance(got, CorruptBlockError):
+                logger.warning("remote cache: block %s is unusable (%s); deleted", key.hex()[:16], got)
                 self.stats.corrupt += 1
                 self.stats.misses += 1
                 bad.append(key)
                 out.append(None)
+            elif got is None:
+                self.stats.misses += 1
+                out.append(None)
+            else:
+                out.append(got)
+                nbytes += HEADER_SIZE + got.nbytes
+                self.stats.hits += 1
+                self.life.accessed(key)
         self.stats.reads += 1
         self.stats.read_time_s += elapsed
         self.stats.bytes_read += nbytes

@@ -23,7 +23,7 @@ import asyncio
 import collections
 import select
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -91,6 +91,9 @@ class ReplyReader(asyncio.BufferedProtocol):
     reply a `RespError` (in the list, not raised: one bad key does not fail the pipeline). A bulk
     string longer than ``max_value`` is read past without being kept and given as an empty
     buffer: a server (or a stranger's value under our key) cannot make us allocate what it says.
+    A reply given a destination (`expect`'s ``dests``) whose size is ``head`` + the
+    destination's is received in two parts: its first ``head`` bytes into a buffer of their own,
+    the rest straight into the destination; the reply is then the pair (head, destination).
     """
 
     def __init__(self, max_value: int | None = None) -> None:
@@ -101,8 +104,13 @@ class ReplyReader(asyncio.BufferedProtocol):
         self._scratch = memoryview(self._raw)
         self._direct = False  # the last get_buffer handed out the value itself
         self._line = bytearray()
-        self._value: memoryview | None = None  # the bulk string being received
+        self._value: memoryview | None = None  # the bulk string (or the part of it) being received
         self._filled = 0
+        self._rest: memoryview | None = None  # a scattered value's second part, after `_value`
+        self._head_part: memoryview | None = None  # a scattered value's first part, once received
+        self._dests: Sequence[memoryview | None] = ()
+        self._head = 0
+        self._on_reply: Callable[[int, Any], Any] | None = None
         self._skip = 0  # bytes of a value's trailing CRLF still to discard
         self._wanted = 0
         self._replies: list[Any] = []
@@ -141,13 +149,18 @@ class ReplyReader(asyncio.BufferedProtocol):
                 self.transport.close()
 
     # ---- replies ------------------------------------------------------------------------------
-    def expect(self, n: int, then: Sequence[tuple[int, bytes]] = ()) -> asyncio.Future[list[Any]]:
+    def expect(self, n: int, then: Sequence[tuple[int, bytes]] = (), dests: Sequence[memoryview | None] = (),
+               head: int = 0, on_reply: Callable[[int, Any], Any] | None = None) -> asyncio.Future[list[Any]]:
         """A future of the next ``n`` replies; each ``(count, commands)`` of ``then`` is written
-        once ``count`` of them have arrived (the later windows of a pipeline)."""
+        once ``count`` of them have arrived (the later windows of a pipeline); reply ``i`` of
+        ``head`` + ``dests[i].nbytes`` bytes is scattered into a head and ``dests[i]``;
+        ``on_reply(i, reply)``, where given, runs as each reply completes (while the socket keeps
+        filling) and its result takes the reply's place. It must not raise."""
         assert self._waiter is None, "one pipeline at a time"
         self._waiter = waiter = asyncio.get_running_loop().create_future()
         self._wanted, self._replies = n, []
         self._then = collections.deque(then)
+        self._dests, self._head, self._on_reply = dests, head, on_reply
         if self.lost is not None:
             self._settle(self.lost)
         return waiter
@@ -197,8 +210,14 @@ class ReplyReader(asyncio.BufferedProtocol):
             elif self.max_value is not None and size > self.max_value:
                 self._discard = size
             else:
-                self._value, self._filled = numpy.empty(size, dtype=numpy.uint8).data, 0
-                if size == 0:
+                i = len(self._replies)
+                dest = self._dests[i] if i < len(self._dests) else None
+                if dest is not None and size == self._head + dest.nbytes:
+                    self._value, self._rest = numpy.empty(self._head, dtype=numpy.uint8).data, dest
+                else:
+                    self._value = numpy.empty(size, dtype=numpy.uint8).data
+                self._filled = 0
+                if self._value.nbytes == 0:
                     self._finish_value()
         elif kind == b"+":
             self._reply(body.decode(errors="replace"))
@@ -211,13 +230,21 @@ class ReplyReader(asyncio.BufferedProtocol):
 
     def _finish_value(self) -> None:
         value, self._value = self._value, None
+        if self._rest is not None:  # a scattered value's head is in: the rest goes to its destination
+            self._head_part, self._value, self._rest, self._filled = value, self._rest, None, 0
+            if self._value.nbytes:
+                return
+            value, self._value = self._value, None
+        reply: Any = value
+        if self._head_part is not None:
+            reply, self._head_part = (self._head_part, value), None
         self._skip = 2
-        self._reply(value)
+        self._reply(reply)
 
     def _reply(self, value: Any) -> None:
         if self._waiter is None:
             raise RespError("a reply arrived that nothing asked for")
-        self._replies.append(value)
+        self._replies.append(value if self._on_reply is None else self._on_reply(len(self._replies), value))
         while self._then and len(self._replies) >= self._then[0][0]:
             assert isinstance(self.transport, asyncio.WriteTransport)
             self.transport.write(self._then.popleft()[1])
@@ -244,9 +271,15 @@ class GetPipe:
         self._reader: ReplyReader | None = None
         self._lock = asyncio.Lock()
 
-    async def get(self, keys: Sequence[str]) -> list[memoryview | None]:
+    async def get(self, keys: Sequence[str], dests: Sequence[memoryview | None] = (), head: int = 0,
+                  on_value: Callable[[int, memoryview | tuple[memoryview, memoryview] | None], Any] | None = None,
+                  ) -> list[Any]:
         """Values of ``keys`` (None: no such key, or not a string); raises on a broken or
-        refused connection, leaving the pipe to reconnect on the next call."""
+        refused connection, leaving the pipe to reconnect on the next call. The value of
+        ``keys[i]`` that is ``head`` + ``dests[i].nbytes`` bytes long is received as the pair
+        (its first ``head`` bytes, ``dests[i]`` holding the rest); other values in buffers of
+        their own. ``on_value(i, value)``, where given, runs as each value arrives and the list
+        holds what it returns (it must not raise)."""
         if not keys:
             return []
         per = max(1, WINDOW_BYTES // self.max_value) if self.max_value else 16
@@ -257,14 +290,18 @@ class GetPipe:
         async with self._lock:
             try:
                 reader = await self._connected()
-                waiter = reader.expect(len(keys), then)
+                def settle(i: int, reply: Any) -> Any:
+                    value = reply if isinstance(reply, (memoryview, tuple)) else None
+                    return value if on_value is None else on_value(i, value)
+
+                waiter = reader.expect(len(keys), then, dests, head, settle)
                 assert isinstance(reader.transport, asyncio.WriteTransport)
                 reader.transport.write(b"".join(windows[:WINDOWS_IN_FLIGHT]))
                 replies = await waiter
             except BaseException:  # a timeout or cancellation leaves replies in flight: start over
                 self.close()
                 raise
-        return [r if isinstance(r, memoryview) else None for r in replies]
+        return replies
 
     async def _connected(self) -> ReplyReader:
         if self._reader is not None and self._reader.lost is None:

@@ -263,10 +263,10 @@ def test_a_remote_block_wanted_by_two_requests_is_fetched_once(redis_url: str, c
     calls: list[int] = []
     real_get = remote.get
 
-    async def slow_get(wanted: list[bytes]) -> list[memoryview | None]:
+    async def slow_get(wanted: list[bytes], dests=()) -> list[memoryview | None]:
         calls.append(len(wanted))
         await asyncio.sleep(1.0)  # b's existence check certainly ends while a's GET is in flight
-        return await real_get(wanted)
+        return await real_get(wanted, dests)
 
     remote.get = slow_get  # type: ignore[method-assign]
     assert chain.prefetch("a", [], remote_keys=keys)
@@ -278,6 +278,69 @@ def test_a_remote_block_wanted_by_two_requests_is_fetched_once(redis_url: str, c
     for i in range(12):
         out = load(chain, i)
         assert out is not None and torch.equal(out, block(i))
+
+
+def _recording_gets(remote: RemoteTier) -> list[list[memoryview | None]]:
+    """Make ``remote.get`` record the destinations it is given (then do the real GET)."""
+    seen: list[list[memoryview | None]] = []
+    real_get = remote.get
+
+    async def get(wanted: list[bytes], dests=()) -> list[memoryview | None]:
+        seen.append(list(dests))
+        return await real_get(wanted, dests)
+
+    remote.get = get  # type: ignore[method-assign]
+    return seen
+
+
+def _in_slab(host: HostTier, view: memoryview) -> bool:
+    import numpy
+
+    start = host.slots.data_ptr()
+    address = numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data
+    return start <= address < start + host.slots.numel()
+
+
+def test_remote_blocks_land_straight_in_free_host_slots(redis_url: str, chains: list[TierChain]) -> None:
+    """With free host slots, a remote load's payloads are received into them (no copy after);
+    the slots of blocks the store lacks are freed again."""
+    remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0)
+    chains.append(chain := TierChain(HostTier(16 * NB, NB), None, remote=remote))
+    host = chain.host
+    assert chain.io is not None and host is not None
+    assert chain.io.submit(remote.put([(key(i), raw(i)) for i in range(6)])).result(WAIT_S)
+    seen = _recording_gets(remote)
+    assert chain.prefetch("r", [], remote_keys=[key(i) for i in range(9)])  # 6 stored, 3 not
+    assert poll_until(chain, ["r"]) == ["r"]
+    assert len(seen) == 1 and len(seen[0]) == 6 and all(d is not None and _in_slab(host, d) for d in seen[0])
+    host.check_invariants()
+    assert len(host) == 6 and not host._reserved and len(host._free) == 10  # the 3 misses' slots are free again
+    for i in range(6):
+        out = load(chain, i)
+        assert out is not None and torch.equal(out, block(i))
+
+
+def test_a_full_host_evicts_nothing_for_remote_blocks_the_store_lacks(redis_url: str,
+                                                                       chains: list[TierChain]) -> None:
+    """Remote loads take only free slots: with the host full, a lookup that misses costs no host
+    block, and a hit still arrives (in buffers of its own, copied in, evicting as a put does)."""
+    remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0)
+    chains.append(chain := TierChain(HostTier(4 * NB, NB), None, remote=remote))
+    host = chain.host
+    assert chain.io is not None and host is not None
+    for i in range(4):
+        chain.demote(key(i), block(i))
+    seen = _recording_gets(remote)
+    assert chain.prefetch("miss", [], remote_keys=[key(50), key(51)])
+    poll_until(chain, ["miss"])
+    assert seen == [] and sorted(host.keys()) == [key(i) for i in range(4)] and host.stats.evictions == 0
+    assert chain.io.submit(remote.put([(key(60), raw(60))])).result(WAIT_S)
+    assert chain.prefetch("hit", [], remote_keys=[key(60)])
+    poll_until(chain, ["hit"])
+    assert seen == [[None]] and key(60) in host and host.stats.evictions == 1
+    host.check_invariants()
+    out = load(chain, 60)
+    assert out is not None and torch.equal(out, block(60))
 
 
 def test_prefetch_with_nothing_to_wait_for(chain: TierChain) -> None:

@@ -67,6 +67,34 @@ def test_a_corrupt_or_foreign_record_is_a_miss_and_deleted(redis_url, redis_serv
         assert client.exists(name) == 0 and client.exists(tier.key(key(7))) == 0
 
 
+def test_payloads_are_received_straight_into_the_given_destinations(redis_url, redis_server) -> None:
+    """A destination per key (a host slot): the payload lands there and the result is that very
+    buffer; a flipped payload byte or another model's record of the same size is still a miss."""
+    tier = RemoteTier(redis_url, FMT)
+    flipped = bytearray(encode(FMT, key(3), PAYLOAD))
+    flipped[-1] ^= 1
+    with redis_server.client() as client:
+        client.set(tier.key(key(3)), bytes(flipped))
+        client.set(tier.key(key(4)), encode(BlockFormat(bytes(32), "float32", (2, 4)), key(4), PAYLOAD))
+    dests = [bytearray(FMT.payload_size) for _ in range(5)]
+
+    async def main() -> list:
+        try:
+            await tier.put([(key(1), PAYLOAD), (key(2), PAYLOAD[::-1])])
+            return await tier.get([key(1), key(2), key(3), key(4), key(9)], [memoryview(d) for d in dests])
+        finally:
+            await tier.close()
+
+    got = run(main())
+    assert [g.obj if g is not None else None for g in got[:2]] == dests[:2] and got[2:] == [None, None, None]
+    assert got[0].obj is dests[0] and got[1].obj is dests[1]
+    assert dests[0] == PAYLOAD and dests[1] == PAYLOAD[::-1]
+    assert tier.stats.hits == 2 and tier.stats.corrupt == 2 and tier.stats.misses == 3
+    with redis_server.client() as client:
+        assert client.exists(tier.key(key(3))) == 0 and client.exists(tier.key(key(4))) == 0
+        client.delete(tier.key(key(1)), tier.key(key(2)))
+
+
 def test_a_dead_store_is_a_fast_miss_and_opens_the_breaker(tmp_path) -> None:
     import socket
 

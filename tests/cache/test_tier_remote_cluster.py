@@ -88,6 +88,10 @@ def test_cluster_round_trip_and_a_dead_node(cluster) -> None:
             assert await tier.put([(k, PAYLOAD) for k in keys]) == len(keys)
             assert await tier.exists(keys) == [True] * len(keys)
             assert await tier.get(keys) == [PAYLOAD] * len(keys)
+            dests = [bytearray(len(PAYLOAD)) for _ in keys]  # redis-py's replies, copied into them
+            got = await tier.get(keys, [memoryview(d) for d in dests])
+            assert all(g is not None and g.obj is d for g, d in zip(got, dests, strict=True))
+            assert dests == [bytearray(PAYLOAD)] * len(keys)
             procs[2].kill()
             procs[2].wait()
             got = await tier.get(keys)  # the batch fails as a whole: misses, no exception, bounded time

@@ -96,6 +96,50 @@ def test_the_large_value_is_received_in_its_own_buffer_not_the_scratch() -> None
     asyncio.run(main())
 
 
+HEAD = 16
+SCATTER = [b"$%d\r\n%s\r\n" % (HEAD + len(BIG), b"h" * HEAD + BIG),  # head + destination: scattered
+           b"$3\r\nabc\r\n",  # another size than its destination: a buffer of its own
+           b"$-1\r\n",  # a nil: the destination stays untouched
+           b"$%d\r\n%s\r\n" % (HEAD, b"k" * HEAD),  # an empty destination: the head alone
+           b"$%d\r\n%s\r\n" % (HEAD + 5, b"g" * HEAD + b"tail!")]  # no destination for it
+SCATTER_STREAM = b"".join(SCATTER)
+
+
+def scatter(cuts: list[int]) -> tuple[list[object], list[bytearray]]:
+    dests = [bytearray(len(BIG)), bytearray(10), bytearray(7), bytearray(0)]
+
+    async def main() -> list[object]:
+        reader = ReplyReader()
+        waiter = reader.expect(len(SCATTER), dests=[memoryview(d) for d in dests], head=HEAD)
+        feed(reader, SCATTER_STREAM, cuts)
+        return await waiter
+
+    return asyncio.run(main()), dests
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(SCATTER_STREAM) - 1), max_size=30))
+def test_a_value_of_head_plus_destination_size_is_scattered_into_them(cuts: list[int]) -> None:
+    (first, second, third, fourth, fifth), dests = scatter(cuts)
+    assert isinstance(first, tuple) and bytes(first[0]) == b"h" * HEAD and first[1].obj is dests[0]
+    assert dests[0] == BIG
+    assert isinstance(second, memoryview) and bytes(second) == b"abc" and dests[1] == bytearray(10)
+    assert third is None and dests[2] == bytearray(7)
+    assert isinstance(fourth, tuple) and bytes(fourth[0]) == b"k" * HEAD and fourth[1].nbytes == 0
+    assert isinstance(fifth, memoryview) and bytes(fifth) == b"g" * HEAD + b"tail!"
+
+
+def test_the_rest_of_a_scattered_value_is_received_straight_into_its_destination() -> None:
+    async def main() -> None:
+        dest = bytearray(len(BIG))
+        reader = ReplyReader()
+        reader.expect(1, dests=[memoryview(dest)], head=HEAD)
+        feed(reader, b"$%d\r\n" % (HEAD + len(BIG)) + b"h" * HEAD + BIG[:10], [])
+        buf = reader.get_buffer(-1)  # the kernel would write into the destination itself
+        assert buf.obj is dest and len(buf) == len(BIG) - 10
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("garbage", [b"?what\r\n", b"$abc\r\n", b"*2\r\n$1\r\na\r\n$1\r\nb\r\n", b"x" * 70_000])
 def test_a_broken_stream_fails_the_waiter_with_a_clear_error(garbage: bytes) -> None:
     async def main() -> None:
@@ -219,6 +263,66 @@ def test_gets_in_many_windows_come_back_in_order(redis_url, redis_server, monkey
     finally:
         with redis_server.client() as client:
             client.delete(*keys)
+
+
+def test_gets_scatter_values_into_destinations_over_many_windows(redis_url, redis_server, monkeypatch) -> None:
+    values = [os.urandom(HEAD + 1000) for _ in range(9)]
+    keys = [f"kvg-test:scatter:{i}" for i in range(9)]
+    with redis_server.client() as client:
+        client.mset(dict(zip(keys, values, strict=True)))
+        client.set("kvg-test:scatter:short", b"x" * 50)
+    monkeypatch.setattr(resp, "WINDOW_BYTES", 2000)  # 2 values per window
+    dests = [bytearray(1000) for _ in range(11)]
+
+    async def main() -> list:
+        pipe = GetPipe(endpoint(redis_url), 2.0, max_value=HEAD + 1000)
+        try:
+            return await asyncio.wait_for(pipe.get([*keys, "kvg-test:scatter:missing", "kvg-test:scatter:short"],
+                                                   [memoryview(d) for d in dests], HEAD), 10)
+        finally:
+            pipe.close()
+
+    try:
+        got = run(main())
+    finally:
+        with redis_server.client() as client:
+            client.delete(*keys, "kvg-test:scatter:short")
+    for value, reply, dest in zip(values, got[:9], dests, strict=False):
+        assert isinstance(reply, tuple) and bytes(reply[0]) == value[:HEAD] and reply[1].obj is dest
+        assert dest == value[HEAD:]
+    assert got[9] is None and bytes(got[10]) == b"x" * 50 and dests[10] == bytearray(1000)
+
+
+def test_each_value_is_handed_to_on_value_as_it_arrives(redis_url, redis_server, monkeypatch) -> None:
+    """on_value(i, value) runs once per reply, in order, before the pipeline ends (a later window
+    is still to come when the first values are handled); the list holds what it returned."""
+    keys = [f"kvg-test:each:{i}" for i in range(6)]
+    with redis_server.client() as client:
+        client.mset({k: b"v%d" % i * 400 for i, k in enumerate(keys)})
+        client.rpush("kvg-test:each:list", b"a")
+    monkeypatch.setattr(resp, "WINDOW_BYTES", 1000)  # one value per window
+    seen: list[tuple[int, object, int]] = []
+
+    async def main() -> list:
+        pipe = GetPipe(endpoint(redis_url), 2.0, max_value=1000)
+        try:
+            def on_value(i: int, value):  # type: ignore[no-untyped-def]
+                seen.append((i, None if value is None else bytes(value), len(pipe._reader._replies)))  # type: ignore[union-attr]
+                return ("handled", i)
+            return await pipe.get([*keys[:3], "kvg-test:each:list", "kvg-test:each:missing", *keys[3:]],
+                                  on_value=on_value)
+        finally:
+            pipe.close()
+
+    try:
+        got = run(main())
+    finally:
+        with redis_server.client() as client:
+            client.delete(*keys, "kvg-test:each:list")
+    assert got == [("handled", i) for i in range(8)]
+    values = [b"v%d" % i * 400 for i in range(6)]
+    assert [(i, v) for i, v, _ in seen] == list(enumerate([*values[:3], None, None, *values[3:]]))
+    assert [before for _, _, before in seen] == list(range(8))  # handled as each arrived
 
 
 def test_a_password_and_a_database_from_the_url_are_used(redis_server) -> None:
