@@ -265,28 +265,34 @@ def test_gets_in_many_windows_come_back_in_order(redis_url, redis_server, monkey
             client.delete(*keys)
 
 
-def test_gets_scatter_values_into_destinations_over_many_windows(redis_url, redis_server, monkeypatch) -> None:
-    values = [os.urandom(HEAD + 1000) for _ in range(9)]
-    keys = [f"kvg-test:scatter:{i}" for i in range(9)]
+def _gets_of(redis_url, redis_server, stored: dict[str, bytes], keys: list[str], max_value: int, **kwargs):  # type: ignore[no-untyped-def]
+    """Store ``stored``, GET ``keys`` through a fresh GetPipe (``kwargs`` for `GetPipe.get`), and
+    delete ``stored`` again."""
     with redis_server.client() as client:
-        client.mset(dict(zip(keys, values, strict=True)))
-        client.set("kvg-test:scatter:short", b"x" * 50)
-    monkeypatch.setattr(resp, "WINDOW_BYTES", 2000)  # 2 values per window
-    dests = [bytearray(1000) for _ in range(11)]
+        client.mset(stored)
 
     async def main() -> list:
-        pipe = GetPipe(endpoint(redis_url), 2.0, max_value=HEAD + 1000)
+        pipe = GetPipe(endpoint(redis_url), 2.0, max_value=max_value)
         try:
-            return await asyncio.wait_for(pipe.get([*keys, "kvg-test:scatter:missing", "kvg-test:scatter:short"],
-                                                   [memoryview(d) for d in dests], HEAD), 10)
+            return await asyncio.wait_for(pipe.get(keys, **kwargs), 10)
         finally:
             pipe.close()
 
     try:
-        got = run(main())
+        return run(main())
     finally:
         with redis_server.client() as client:
-            client.delete(*keys, "kvg-test:scatter:short")
+            client.delete(*stored)
+
+
+def test_gets_scatter_values_into_destinations_over_many_windows(redis_url, redis_server, monkeypatch) -> None:
+    values = [os.urandom(HEAD + 1000) for _ in range(9)]
+    keys = [f"kvg-test:scatter:{i}" for i in range(9)]
+    monkeypatch.setattr(resp, "WINDOW_BYTES", 2000)  # 2 values per window
+    dests = [bytearray(1000) for _ in range(11)]
+    got = _gets_of(redis_url, redis_server, {**dict(zip(keys, values, strict=True)), "kvg-test:scatter:short": b"x" * 50},
+                   [*keys, "kvg-test:scatter:missing", "kvg-test:scatter:short"], HEAD + 1000,
+                   dests=[memoryview(d) for d in dests], head=HEAD)
     for value, reply, dest in zip(values, got[:9], dests, strict=False):
         assert isinstance(reply, tuple) and bytes(reply[0]) == value[:HEAD] and reply[1].obj is dest
         assert dest == value[HEAD:]
@@ -294,35 +300,37 @@ def test_gets_scatter_values_into_destinations_over_many_windows(redis_url, redi
 
 
 def test_each_value_is_handed_to_on_value_as_it_arrives(redis_url, redis_server, monkeypatch) -> None:
-    """on_value(i, value) runs once per reply, in order, before the pipeline ends (a later window
-    is still to come when the first values are handled); the list holds what it returned."""
+    """on_value(i, value) runs once per reply, in order, while later windows are still unsent;
+    the list holds what it returned; a nil or a non-string is None."""
     keys = [f"kvg-test:each:{i}" for i in range(6)]
-    with redis_server.client() as client:
-        client.mset({k: b"v%d" % i * 400 for i, k in enumerate(keys)})
-        client.rpush("kvg-test:each:list", b"a")
-    monkeypatch.setattr(resp, "WINDOW_BYTES", 1000)  # one value per window
+    values = [b"v%d" % i * 400 for i in range(6)]
+    monkeypatch.setattr(resp, "WINDOW_BYTES", 1000)  # one value per window: 8 windows, 3 sent at first
+    readers: list[ReplyReader] = []
+    expect = ReplyReader.expect
+
+    def recording_expect(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        readers.append(self)
+        return expect(self, *args, **kwargs)
+
+    monkeypatch.setattr(ReplyReader, "expect", recording_expect)
     seen: list[tuple[int, object, int]] = []
 
-    async def main() -> list:
-        pipe = GetPipe(endpoint(redis_url), 2.0, max_value=1000)
-        try:
-            def on_value(i: int, value):  # type: ignore[no-untyped-def]
-                seen.append((i, None if value is None else bytes(value), len(pipe._reader._replies)))  # type: ignore[union-attr]
-                return ("handled", i)
-            return await pipe.get([*keys[:3], "kvg-test:each:list", "kvg-test:each:missing", *keys[3:]],
-                                  on_value=on_value)
-        finally:
-            pipe.close()
+    def on_value(i: int, value):  # type: ignore[no-untyped-def]
+        seen.append((i, None if value is None else bytes(value), len(readers[-1]._then)))
+        return ("handled", i)
 
+    with redis_server.client() as client:
+        client.rpush("kvg-test:each:list", b"a")
     try:
-        got = run(main())
+        got = _gets_of(redis_url, redis_server, dict(zip(keys, values, strict=True)),
+                       [*keys[:3], "kvg-test:each:list", "kvg-test:each:missing", *keys[3:]], 1000,
+                       on_value=on_value)
     finally:
         with redis_server.client() as client:
-            client.delete(*keys, "kvg-test:each:list")
+            client.delete("kvg-test:each:list")
     assert got == [("handled", i) for i in range(8)]
-    values = [b"v%d" % i * 400 for i in range(6)]
     assert [(i, v) for i, v, _ in seen] == list(enumerate([*values[:3], None, None, *values[3:]]))
-    assert [before for _, _, before in seen] == list(range(8))  # handled as each arrived
+    assert seen[0][2] == 5  # the first value was handled before windows 4-8 went out
 
 
 def test_a_password_and_a_database_from_the_url_are_used(redis_server) -> None:
