@@ -59,6 +59,21 @@ class ChainStats:
     flushed_blocks: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A host slot one read fills (`HostTier.reserve`); only that read's event commits or
+    releases it, so no other job's result, failure or copy ever touches a slot still being
+    written on the I/O thread."""
+
+    host: HostTier
+    slot: int
+    view: memoryview
+
+
+def _views(reservations: list[Reservation | None]) -> list[memoryview | None]:
+    return [r.view if r is not None else None for r in reservations]
+
+
 @dataclass(slots=True)
 class JobTimes:
     """How a prefetch went: issue to release, time in tier I/O, time in remote existence checks."""
@@ -151,10 +166,10 @@ class TierChain:
             remote.write_executor = self.io.sender
         self._pending_writes = 0
         self._write_lock = threading.Lock()
-        # ("block", key, payload | None) and ("done", token, JobTimes), in the order they happened
+        # ("block", key, (payload | None, its Reservation | None)) and ("done", token, JobTimes),
+        # in the order they happened
         self._events: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._inflight: set[bytes] = set()  # disk keys being read (step-loop view)
-        self._slots: dict[bytes, tuple[HostTier, int]] = {}  # host slots those reads go into
         self._reads: dict[bytes, asyncio.Future[int]] = {}  # the same, on the I/O loop
         self._remote_reads: dict[bytes, asyncio.Future[bool]] = {}  # remote GETs in flight (I/O loop)
         self.read_parallel = read_parallel
@@ -312,25 +327,24 @@ class TierChain:
         if self.host is not None:  # the request's blocks already in host must not make room for the rest
             for key in also_wait_for:
                 self.host.touch(key)
-        dests = [self._reserve_slot(key, owner) for key in keys]
+        slots = [self._reserve_slot(owner) for _ in keys]
         # remote blocks may not exist: they get only slots that are free now (a miss costs no host block)
-        remote_dests = [self._reserve_slot(key, owner, evict=False) for key in remote]
+        remote_slots = [self._reserve_slot(owner, evict=False) for _ in remote]
         self._inflight.update(keys)
         for key in (*keys, *remote):
             self._owners.setdefault(key, owner)
         self._job_keys[token] = [*keys, *remote]
         self._jobs.add(token)
         self._job_started[token] = time.monotonic()
-        self.io.submit(self._job(token, keys, dests, waits, remote, remote_dests, block_tokens, prefill_tokens_per_s,
+        self.io.submit(self._job(token, keys, slots, waits, remote, remote_slots, block_tokens, prefill_tokens_per_s,
                                  self.disk, self.remote, time.perf_counter()))
         self.stats.prefetches += 1
         return True
 
-    def _reserve_slot(self, key: bytes, owner: str, evict: bool = True) -> memoryview | None:
-        """A host slot for a read of ``key`` to land in (no copy afterwards), or None: the block
-        then arrives in a buffer of its own and is copied in by `poll`. A key that already has
-        a slot (another job's) gets none."""
-        if self.host is None or key in self._slots:
+    def _reserve_slot(self, owner: str, evict: bool = True) -> Reservation | None:
+        """A host slot for one read to land in (no copy afterwards), or None: the block then
+        arrives in a buffer of its own and is copied in by `poll`."""
+        if self.host is None:
             return None
         reserved = self.host.reserve(owner, evict)
         if reserved is None:
@@ -338,11 +352,10 @@ class TierChain:
         slot, view, evicted = reserved
         for victim, payload, victim_owner in evicted:
             self._write(victim, payload, victim_owner)
-        self._slots[key] = (self.host, slot)
-        return view
+        return Reservation(self.host, slot, view)
 
-    async def _job(self, token: Hashable, keys: list[bytes], dests: list[memoryview | None],
-                   waits: list[bytes], remote_keys: list[bytes], remote_dests: list[memoryview | None],
+    async def _job(self, token: Hashable, keys: list[bytes], slots: list[Reservation | None],
+                   waits: list[bytes], remote_keys: list[bytes], remote_slots: list[Reservation | None],
                    block_tokens: int, prefill_tokens_per_s: float | None, disk: DiskTier | None,
                    remote: RemoteTier | None, issued: float) -> None:
         # the tiers are captured when the job is submitted: a detach meanwhile cannot pull them away
@@ -350,7 +363,7 @@ class TierChain:
         delivered: set[bytes] = set()
         try:
             t0 = time.perf_counter()
-            own = self._disk_reads(keys, dests, disk, issued) if disk is not None else []
+            own = self._disk_reads(keys, slots, disk, issued) if disk is not None else []
             shared = [self._reads[k] for k in waits if k in self._reads]
             done = await asyncio.gather(*own, *shared, return_exceptions=True)
             nbytes = sum(n for n in done[: len(own)] if isinstance(n, int))
@@ -358,20 +371,20 @@ class TierChain:
             if disk is not None and nbytes:  # the rate of the batch as issued: reads overlap
                 disk.rate.observe(nbytes, time.perf_counter() - t0, ops=len(own))
             if remote_keys and remote is not None:
-                await self._remote_fetch(remote, remote_keys, remote_dests, block_tokens, prefill_tokens_per_s,
+                await self._remote_fetch(remote, remote_keys, remote_slots, block_tokens, prefill_tokens_per_s,
                                          times, delivered)
             times.io_s = time.perf_counter() - t0
         except Exception:  # never leave a waiter hanging
             logger.exception("cache prefetch failed")
         finally:
-            for key, dest in zip(remote_keys, remote_dests, strict=True):
-                if dest is not None and key not in delivered:  # its slot was not filled: `poll` frees it
-                    self._events.put(("block", key, None))
+            for key, reserved in zip(remote_keys, remote_slots, strict=True):
+                if reserved is not None and key not in delivered:  # not filled: `poll` frees the slot
+                    self._events.put(("block", key, (None, reserved)))
             self._events.put(("done", token, times))
 
-    def _disk_reads(self, keys: list[bytes], dests: list[memoryview | None], disk: DiskTier,
+    def _disk_reads(self, keys: list[bytes], slots: list[Reservation | None], disk: DiskTier,
                     issued: float) -> list[asyncio.Future[int]]:
-        """Read ``keys`` (distinct, none in flight: `prefetch` sees to that) into ``dests``, in
+        """Read ``keys`` (distinct, none in flight: `prefetch` sees to that) into ``slots``, in
         batches, at most `read_parallel` batches at once; other jobs may wait on the same futures
         (runs on the I/O loop)."""
         loop = asyncio.get_running_loop()
@@ -383,29 +396,29 @@ class TierChain:
             per_batch = min(READ_BATCH_BLOCKS, -(-len(keys) // self.read_parallel))
             for i in range(0, len(keys), per_batch):
                 batch = slice(i, i + per_batch)
-                asyncio.ensure_future(self._read_batch(keys[batch], dests[batch], disk, issued))
+                asyncio.ensure_future(self._read_batch(keys[batch], slots[batch], disk, issued))
         return futures
 
-    async def _read_batch(self, keys: list[bytes], dests: list[memoryview | None], disk: DiskTier,
+    async def _read_batch(self, keys: list[bytes], slots: list[Reservation | None], disk: DiskTier,
                           issued: float) -> None:
         """Read a batch into the event queue and settle each key's future with the bytes read."""
         payloads: list[memoryview | None] = [None] * len(keys)
         try:
             async with self._read_slots:
-                payloads = await self._timed("disk_read", disk.read_many(keys, dests), issued)
+                payloads = await self._timed("disk_read", disk.read_many(keys, _views(slots)), issued)
         except Exception:  # (a cancellation at shutdown is not one: it still settles the futures below)
             logger.exception("disk cache read failed")
         finally:
-            for key, payload in zip(keys, payloads, strict=True):
+            for key, payload, reserved in zip(keys, payloads, slots, strict=True):
                 future = self._reads.pop(key, None)
-                self._events.put(("block", key, payload))
+                self._events.put(("block", key, (payload, reserved)))
                 if future is not None and not future.done():
                     future.set_result(len(payload) if payload is not None else 0)
 
-    async def _remote_fetch(self, remote: RemoteTier, keys: list[bytes], dests: list[memoryview | None],
+    async def _remote_fetch(self, remote: RemoteTier, keys: list[bytes], slots: list[Reservation | None],
                             block_tokens: int, prefill_tokens_per_s: float | None, times: JobTimes,
                             delivered: set[bytes]) -> None:
-        """Check which leading ``keys`` the store holds and GET them (into ``dests``, the host
+        """Check which leading ``keys`` the store holds and GET them (into ``slots``, the host
         slots reserved for them, where given); each block fetched is an event for `poll`, its key
         added to ``delivered``."""
         t0 = time.perf_counter()
@@ -427,16 +440,16 @@ class TierChain:
         for key in fresh:
             self._remote_reads[key] = loop.create_future()
         payloads: list[memoryview | None] = [None] * len(fresh)
-        dest_of = dict(zip(keys, dests, strict=True))
+        slot_of = dict(zip(keys, slots, strict=True))
         try:
             if fresh:
-                payloads = await remote.get(fresh, [dest_of[k] for k in fresh])
+                payloads = await remote.get(fresh, _views([slot_of[k] for k in fresh]))
         finally:
             complete = True  # blocks after a missing one continue no prefix: not loaded
             for key, payload in zip(fresh, payloads, strict=True):
                 complete = complete and payload is not None
                 if complete:
-                    self._events.put(("block", key, payload))
+                    self._events.put(("block", key, (payload, slot_of[key])))
                     delivered.add(key)
                     times.blocks += 1
                 future = self._remote_reads.pop(key)
@@ -471,16 +484,17 @@ class TierChain:
                         del self.finished_jobs[next(iter(self.finished_jobs))]
                 continue
             key = item
+            payload, reserved = payload  # the slot this read went into, if it had one
             self._inflight.discard(key)
-            reserved = self._slots.pop(key, None)  # the disk read went straight into this host slot
             if payload is None:
                 if reserved is not None:
-                    reserved[0].release(reserved[1])
+                    reserved.host.release(reserved.slot)
                 continue
             self.stats.prefetched_blocks += 1
-            if reserved is not None:  # (a remote block found the slot taken by another job's read: copied in)
-                host, slot = reserved
-                for victim, evicted, victim_owner in host.commit(key, slot, self._owners.get(key, UNKNOWN), payload):
+            if reserved is not None:
+                host = reserved.host
+                for victim, evicted, victim_owner in host.commit(key, reserved.slot, self._owners.get(key, UNKNOWN),
+                                                                 payload):
                     if host is self.host:  # (a host detached meanwhile takes its blocks with it)
                         self._write(victim, evicted, victim_owner)
             elif self.host is not None:

@@ -99,8 +99,8 @@ class HostTier:
     def commit(self, key: bytes, slot: int, owner: str = UNKNOWN,
                payload: memoryview | None = None) -> list[tuple[bytes, bytes, str]]:
         """A reserved slot now holds ``key``'s block for ``owner``: index it. ``payload``: the
-        block as the read delivered it, copied in unless it is the slot itself. Returns blocks that
-        had to leave (``owner`` at its quota)."""
+        block as the read delivered it — the slot itself for every read the chain makes; anything
+        else is copied in. Returns blocks that had to leave (``owner`` at its quota)."""
         if payload is not None:
             data = numpy.frombuffer(payload, dtype=numpy.uint8)
             if data.ctypes.data != self.slots[slot].data_ptr():  # it came in a buffer of its own

@@ -275,6 +275,9 @@ def test_a_remote_block_wanted_by_two_requests_is_fetched_once(redis_url: str, c
     assert sorted(map(str, released)) == ["a", "b"]
     assert calls == [12] and remote.stats.reads == 1 and remote.stats.hits == 12
     assert chain.host is not None and all(k in chain.host for k in keys)
+    # each job reserved its own 12 slots; b's, never written (it waited for a's GET), are free again
+    chain.host.check_invariants()
+    assert not chain.host._reserved and len(chain.host._free) == 32 - 12
     for i in range(12):
         out = load(chain, i)
         assert out is not None and torch.equal(out, block(i))
