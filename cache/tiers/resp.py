@@ -287,13 +287,14 @@ class GetPipe:
         # window w + WINDOWS_IN_FLIGHT goes out once window w's replies are all in
         then = [(min(len(keys), (w + 1) * per), windows[w + WINDOWS_IN_FLIGHT])
                 for w in range(len(windows) - WINDOWS_IN_FLIGHT)]
+
+        def settle(i: int, reply: Any) -> Any:  # nil, status, integer or error replies: None
+            value = reply if isinstance(reply, (memoryview, tuple)) else None
+            return value if on_value is None else on_value(i, value)
+
         async with self._lock:
             try:
                 reader = await self._connected()
-                def settle(i: int, reply: Any) -> Any:
-                    value = reply if isinstance(reply, (memoryview, tuple)) else None
-                    return value if on_value is None else on_value(i, value)
-
                 waiter = reader.expect(len(keys), then, dests, head, settle)
                 assert isinstance(reader.transport, asyncio.WriteTransport)
                 reader.transport.write(b"".join(windows[:WINDOWS_IN_FLIGHT]))

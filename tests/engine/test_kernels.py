@@ -271,6 +271,18 @@ def test_self_check_names_an_op_that_computes_wrong_values(name: str) -> None:
 
 
 @needs_ops
+def test_self_check_names_an_op_that_raises() -> None:
+    import dataclasses
+
+    from engine.kernel_check import first_mismatch
+
+    def refuses(*args):  # type: ignore[no-untyped-def]
+        raise TypeError("expected a Tensor")
+
+    assert first_mismatch(dataclasses.replace(ops, rms_norm=refuses)) == "rms_norm: expected a Tensor"
+
+
+@needs_ops
 def test_a_build_that_fails_the_self_check_is_not_used(monkeypatch, caplog) -> None:
     from engine import kernel_check
 
