@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import rotate_half
 
 _RTOL = _ATOL = 1e-4  # what tests/engine/test_fast_decoder.py allows the whole decoder
 
@@ -68,8 +69,7 @@ def _small_linear(ops: Any, rand: Any) -> None:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]  # what engine.fast_decoder's PyTorch path does
 
 
 def _rope_write_kv(ops: Any, rand: Any) -> None:
@@ -87,21 +87,32 @@ def _rope_write_kv(ops: Any, rand: Any) -> None:
     _close(v_cache[blocks, offsets], v)
 
 
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                              q_start: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """What `paged_attention` computes (its shapes), by PyTorch: each span's context gathered from
+    its blocks, SDPA with a causal mask at the rows' positions."""
+    block, kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    outs = []
+    for s in range(len(ctx_lens)):
+        n, ctx = int(q_start[s + 1] - q_start[s]), int(ctx_lens[s])
+        blocks = tables[s][: -(-ctx // block)]
+        k = k_cache.index_select(0, blocks).reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
+        v = v_cache.index_select(0, blocks).reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
+        rows = q[int(q_start[s]) : int(q_start[s + 1])].transpose(0, 1)[None]
+        positions = torch.arange(ctx - n, ctx)
+        mask = (torch.arange(ctx)[None, :] <= positions[:, None])[None, None]
+        o = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
 def _paged_attention(ops: Any, rand: Any) -> None:
     heads, kv_heads, dim, block = 4, 2, 64, 8
     k_cache, v_cache = rand(6, block, kv_heads, dim), rand(6, block, kv_heads, dim)
     tables = torch.tensor([[4, 1, 5], [2, 0, 0]])
-    spans = [(3, 21), (1, 9)]  # a 3-row chunk over 21 keys (a 9-key tail of 8-key scores), a decode
-    q_start, ctx_lens = torch.tensor([0, 3, 4]), torch.tensor([ctx for _, ctx in spans])
+    # a 3-row chunk over 21 keys (a 9-key tail of 8-key scores), a decode; two splits of 16 keys
+    q_start, ctx_lens = torch.tensor([0, 3, 4]), torch.tensor([21, 9])
     q = rand(4, heads, dim)
     scale = dim ** -0.5
-    got = ops.paged_attention(q, k_cache, v_cache, tables, q_start, ctx_lens, scale, 16)  # two splits
-    expected = []
-    for s, (rows, ctx) in enumerate(spans):
-        k = k_cache[tables[s]].reshape(-1, kv_heads, dim)[:ctx].repeat_interleave(heads // kv_heads, dim=1)
-        v = v_cache[tables[s]].reshape(-1, kv_heads, dim)[:ctx].repeat_interleave(heads // kv_heads, dim=1)
-        scores = torch.einsum("rhd,khd->hrk", q[q_start[s]:q_start[s + 1]], k) * scale
-        visible = torch.arange(ctx)[None, :] <= (ctx - rows + torch.arange(rows))[:, None]
-        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        expected.append(torch.einsum("hrk,khd->rhd", weights, v))
-    _close(got, torch.cat(expected))
+    _close(ops.paged_attention(q, k_cache, v_cache, tables, q_start, ctx_lens, scale, 16),
+           paged_attention_reference(q, k_cache, v_cache, tables, q_start, ctx_lens, scale))

@@ -11,10 +11,12 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers.models.llama.modeling_llama import rotate_half
 
 from engine import kernels
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.kernel_check import paged_attention_reference
 from engine.model import load_model
 from engine.outputs import GenerateRequest
 from engine.sampling_params import SamplingParams
@@ -33,23 +35,6 @@ def _pool(kv_heads: int, head_dim: int, num_blocks: int = 64, layers: int = 3, s
     return kv[:, 1, 0], kv[:, 1, 1]
 
 
-def _reference(q, k_cache, v_cache, tables, q_start, ctx_lens, scale):
-    """Gather each span's context and run SDPA with a causal mask at the rows' positions."""
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    outs = []
-    for s in range(len(ctx_lens)):
-        n, ctx = int(q_start[s + 1] - q_start[s]), int(ctx_lens[s])
-        blocks = tables[s][: -(-ctx // BS)]
-        k = k_cache.index_select(0, blocks).reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
-        v = v_cache.index_select(0, blocks).reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
-        rows = q[int(q_start[s]) : int(q_start[s + 1])].transpose(0, 1)[None]
-        positions = torch.arange(ctx - n, ctx)
-        mask = (torch.arange(ctx)[None, :] <= positions[:, None])[None, None]
-        o = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        outs.append(o[0].transpose(0, 1))
-    return torch.cat(outs)
-
-
 def _run(spans: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, split: int, seed: int):
     k_cache, v_cache = _pool(kv_heads, head_dim, seed=seed)
     rng = random.Random(seed)
@@ -61,7 +46,7 @@ def _run(spans: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
     q = torch.randn(int(q_start[-1]), heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
     scale = head_dim ** -0.5
     got = op(q, k_cache, v_cache, tables, q_start, ctx_lens, scale, split)
-    return got, _reference(q, k_cache, v_cache, tables, q_start, ctx_lens, scale)
+    return got, paged_attention_reference(q, k_cache, v_cache, tables, q_start, ctx_lens, scale)
 
 
 @needs_kernel
@@ -188,8 +173,7 @@ def test_rope_write_kv_rotates_in_place_and_refuses_slots_outside_the_pool() -> 
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
 
     def rotated(t: torch.Tensor) -> torch.Tensor:
-        half = torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
-        return t * cos[:, None] + half * sin[:, None]
+        return t * cos[:, None] + rotate_half(t) * sin[:, None]
 
     expected_q, expected_k = rotated(q), rotated(k)
     blocks, offsets = torch.tensor([2, 2, 0]), torch.tensor([0, 15, 3])
