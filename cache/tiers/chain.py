@@ -320,7 +320,8 @@ class TierChain:
         keys = [k for k in dict.fromkeys(keys) if k not in self._inflight]
         also_wait_for = list(also_wait_for)
         waits = [k for k in also_wait_for if k in self._inflight and k not in keys]
-        remote = list(remote_keys) if self.remote is not None else []
+        # distinct, like ``keys``: each gets at most one reserved slot, and `_job` tells filled ones by key
+        remote = list(dict.fromkeys(remote_keys)) if self.remote is not None else []
         if not keys and not waits and not remote:
             return False
         assert self.io is not None
