@@ -323,6 +323,18 @@ def test_remote_blocks_land_straight_in_free_host_slots(redis_url: str, chains: 
         assert out is not None and torch.equal(out, block(i))
 
 
+def test_a_remote_key_asked_for_twice_holds_one_slot(redis_url: str, chains: list[TierChain]) -> None:
+    remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0)
+    chains.append(chain := TierChain(HostTier(8 * NB, NB), None, remote=remote))
+    host = chain.host
+    assert chain.io is not None and host is not None
+    assert chain.io.submit(remote.put([(key(70), raw(70))])).result(WAIT_S)
+    assert chain.prefetch("r", [], remote_keys=[key(70), key(70), key(71), key(71)])
+    poll_until(chain, ["r"])
+    host.check_invariants()
+    assert key(70) in host and not host._reserved and len(host._free) == 7
+
+
 def test_a_full_host_evicts_nothing_for_remote_blocks_the_store_lacks(redis_url: str,
                                                                        chains: list[TierChain]) -> None:
     """Remote loads take only free slots: with the host full, a lookup that misses costs no host
