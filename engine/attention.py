@@ -5,8 +5,9 @@ prefill chunks) and passes an ``AttentionMetadata`` as the ``kvgate`` keyword ar
 transformers forwards to the registered attention function of every layer. Per layer:
 
     1. write the T new K/V rows into their slots:  kv[block, layer, K|V, offset] = k/v
-    2. with the native CPU kernel (engine.kernels): decodes and short prefill chunks in one call
-       that reads K/V in place in the pool (``PagedRows``)
+    2. with the native CPU kernels (engine.kernels), which read K/V in place in the pool
+       (``PagedRows``): decodes and short prefill chunks in one call of ``paged_attention``,
+       longer prefill chunks (cached prefix or not) in one call of ``chunk_attention``
     3. otherwise decodes: one batched SDPA over their gathered block tables, padded, masked by length
     4. prefills: one SDPA each over the chunk's queries and its whole context (cached + new)
 
@@ -26,11 +27,17 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from cache.kv_storage import KVStorage
 
 ATTN_IMPLEMENTATION = "kvgate_paged"
-# The native kernel takes prefill chunks of up to this many rows (past it PyTorch's flash attention
-# is faster: measured 5 rows 1.0 → 0.6 ms, 16 rows 1.0 → 1.6 ms per layer at 2k context) and cuts
-# contexts into splits of this many keys (a split's K/V stay in L2; 128-256 measured best).
+# The few-row kernel takes prefill chunks of up to this many rows (past it the chunk kernel, or
+# PyTorch's flash attention, is faster: measured 5 rows 1.0 → 0.6 ms, 16 rows 1.0 → 1.6 ms per
+# layer at 2k context against flash) and cuts contexts into splits of this many keys (a split's
+# K/V stay in L2; 128-256 measured best).
 KERNEL_MAX_ROWS = 8
 KERNEL_SPLIT_TOKENS = 256
+# The chunk kernel's units hold this many tiles of query rows (each K/V tile is read once for
+# all of them): 1 and 2 measured alike, 4 slower for a 64-row chunk (3 units for 2 threads).
+CHUNK_ROW_TILES = 2
+# It compares positions as float32: spans with longer contexts take PyTorch's path.
+CHUNK_MAX_CONTEXT = 1 << 24
 
 
 @dataclass(slots=True)
@@ -50,15 +57,18 @@ class PrefillSpan:
 
 @dataclass(slots=True)
 class PagedRows:
-    """Spans computed by the native kernel: span s owns query rows q_start[s]..q_start[s+1]-1 of
-    the kernel's input, its context is ctx_lens[s] tokens in blocks tables[s]. ``index`` lists
-    their flat rows when those are not simply the first ``num_rows``."""
+    """Spans computed by one native kernel: span s owns query rows q_start[s]..q_start[s+1]-1 of
+    the kernel's input, its context is ctx_lens[s] tokens in blocks tables[s]. Those rows are the
+    step's flat rows ``first .. first + num_rows - 1``, or those ``index`` lists when not
+    consecutive. ``op(q, k_cache, v_cache, tables, q_start, ctx_lens, scale)`` returns their
+    attention, [num_rows, Hq, D]."""
 
     op: Callable[..., torch.Tensor]
     num_rows: int
     tables: torch.Tensor
     q_start: torch.Tensor
     ctx_lens: torch.Tensor
+    first: int = 0
     index: torch.Tensor | None = None
 
 
@@ -73,7 +83,7 @@ class AttentionMetadata:
     decode_tables: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
-    paged: PagedRows | None = None
+    paged: list[PagedRows] = field(default_factory=list)
 
 
 def paged_attention_forward(
@@ -113,13 +123,13 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
     total, num_heads, head_dim = query.shape
     kv_heads = key.shape[1]
     out = query.new_empty((total, num_heads, head_dim))
-    if meta.paged is not None:
-        p = meta.paged
-        q = query[: p.num_rows] if p.index is None else query.index_select(0, p.index)
+    for p in meta.paged:
+        rows = slice(p.first, p.first + p.num_rows)
+        q = query[rows] if p.index is None else query.index_select(0, p.index)
         scale = scaling if scaling is not None else head_dim ** -0.5
-        o = p.op(q.contiguous(), k_cache, v_cache, p.tables, p.q_start, p.ctx_lens, scale, KERNEL_SPLIT_TOKENS)
+        o = p.op(q, k_cache, v_cache, p.tables, p.q_start, p.ctx_lens, scale)
         if p.index is None:
-            out[: p.num_rows] = o
+            out[rows] = o
         else:
             out.index_copy_(0, p.index, o)
     nd = meta.num_decodes

@@ -30,7 +30,7 @@ def first_mismatch(ops: Any) -> str | None:
 
     for name, check in (("silu_mul", _silu_mul), ("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm),
                         ("small_linear", _small_linear), ("rope_write_kv", _rope_write_kv),
-                        ("paged_attention", _paged_attention)):
+                        ("paged_attention", _paged_attention), ("chunk_attention", _chunk_attention)):
         try:
             with torch.inference_mode():
                 check(ops, rand)
@@ -115,4 +115,17 @@ def _paged_attention(ops: Any, rand: Any) -> None:
     q = rand(4, heads, dim)
     scale = dim ** -0.5
     _close(ops.paged_attention(q, k_cache, v_cache, tables, q_start, ctx_lens, scale, 16),
+           paged_attention_reference(q, k_cache, v_cache, tables, q_start, ctx_lens, scale))
+
+
+def _chunk_attention(ops: Any, rand: Any) -> None:
+    heads, kv_heads, dim, block = 6, 2, 64, 8
+    k_cache, v_cache = rand(12, block, kv_heads, dim), rand(12, block, kv_heads, dim)
+    tables = torch.tensor([[4, 1, 5, 9, 2, 11, 3, 0, 7, 10], [6, 8, 0, 0, 0, 0, 0, 0, 0, 0]])
+    # 20 rows over 75 keys (60 rows per KV head: a full and a part row tile; a key tile of 64
+    # and an 11-key tail), and a causal prompt of 9 rows; units of two row tiles
+    q_start, ctx_lens = torch.tensor([0, 20, 29]), torch.tensor([75, 9])
+    q = rand(29, heads, dim)
+    scale = dim ** -0.5
+    _close(ops.chunk_attention(q, k_cache, v_cache, tables, q_start, ctx_lens, scale, 2),
            paged_attention_reference(q, k_cache, v_cache, tables, q_start, ctx_lens, scale))

@@ -42,7 +42,7 @@ from engine.tiny_model import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name("csrc") / name
-            for name in ("paged_attention.cpp", "fused_ops.cpp", "small_gemm.cpp")]
+            for name in ("paged_attention.cpp", "chunk_attention.cpp", "fused_ops.cpp", "small_gemm.cpp")]
 # -fno-trapping-math lets GCC vectorise loops with float compares (the exp clamps, masks); the
 # kernels never read floating-point exception flags.
 _CFLAGS = ["-O3", "-fopenmp", "-march=native", "-fno-trapping-math", "-fno-math-errno"]
@@ -56,6 +56,7 @@ class NativeOps:
     """The ops of one loaded build (signatures in engine/csrc/*.cpp)."""
 
     paged_attention: Callable[..., torch.Tensor]
+    chunk_attention: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]
     rope_write_kv: Callable[..., None]
@@ -116,7 +117,7 @@ def _build_and_load() -> NativeOps | None:
             _compile(compiler, folder, library)
         torch.ops.load_library(str(library))
         ns: Any = torch.ops.kvgate
-        ops = NativeOps(paged_attention=ns.paged_attention, add_rms_norm=ns.add_rms_norm, rms_norm=ns.rms_norm,
+        ops = NativeOps(paged_attention=ns.paged_attention, chunk_attention=ns.chunk_attention, add_rms_norm=ns.add_rms_norm, rms_norm=ns.rms_norm,
                         rope_write_kv=ns.rope_write_kv, silu_mul=ns.silu_mul, small_linear=ns.small_linear)
     except Exception as exc:  # a compiler error, a missing header, a broken cache folder
         lines = str(exc).strip().splitlines() or [""]

@@ -13,7 +13,7 @@ import torch
 
 from cache.kv_storage import KVStorage
 from engine import attention
-from engine.attention import KERNEL_MAX_ROWS, AttentionMetadata, PagedRows, PrefillSpan
+from engine.attention import CHUNK_MAX_CONTEXT, KERNEL_MAX_ROWS, AttentionMetadata, PagedRows, PrefillSpan
 from engine.fast_decoder import FastDecoder
 from engine.kernels import NativeOps
 from engine.packing import use_small_kernel
@@ -32,6 +32,9 @@ class ModelRunner:
         if storage.device.type != "cpu" or storage.dtype != torch.float32:
             native = None  # the native ops are CPU float32 kernels
         self.paged_kernel: Callable[..., torch.Tensor] | None = native.paged_attention if native is not None else None
+        # many-row prefill chunks; head sizes the kernel's tiles take (a multiple of 8)
+        self.chunk_kernel: Callable[..., torch.Tensor] | None = \
+            native.chunk_attention if native is not None and storage.keys(0).shape[-1] % 8 == 0 else None
         self.storage = storage
         self.block_size = storage.block_size
         self.device = storage.device
@@ -91,6 +94,7 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[tuple[int, int, int, Sequence[int]]] = []
         kernel_spans: list[tuple[int, int, int, Sequence[int]]] = []  # (offset, n, ctx, blocks)
+        chunk_spans: list[tuple[int, int, int, Sequence[int]]] = []
         for toks, start, table in zip(token_ids, starts, block_tables, strict=True):
             n = len(toks)
             offset = len(flat_tokens)
@@ -107,6 +111,8 @@ class ModelRunner:
                 assert not prefills, "decode rows must precede prefill rows"
                 decode_tables.append(blocks)
                 decode_lens.append(start + 1)
+            elif self.chunk_kernel is not None and start + n <= CHUNK_MAX_CONTEXT:
+                chunk_spans.append((offset, n, start + n, blocks))
             else:
                 prefills.append((offset, n, start, blocks))
         dev = self.device
@@ -116,7 +122,15 @@ class ModelRunner:
             slot_offsets=torch.tensor(slot_offsets, device=dev),
         )
         if kernel_spans:
-            meta.paged = self._paged_rows(kernel_spans)
+            assert self.paged_kernel is not None
+            paged = self.paged_kernel
+            meta.paged.append(self._paged_rows(
+                kernel_spans, lambda q, *args: paged(q.contiguous(), *args, attention.KERNEL_SPLIT_TOKENS)))
+        if chunk_spans:
+            assert self.chunk_kernel is not None
+            chunk = self.chunk_kernel
+            meta.paged.append(self._paged_rows(
+                chunk_spans, lambda q, *args: chunk(q, *args, attention.CHUNK_ROW_TILES)))
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             padded = [list(t) + [0] * (width - len(t)) for t in decode_tables]
@@ -140,8 +154,8 @@ class ModelRunner:
         positions_t = torch.tensor([flat_pos], device=dev)
         return meta, input_ids, positions_t, last_index
 
-    def _paged_rows(self, spans: list[tuple[int, int, int, Sequence[int]]]) -> PagedRows:
-        assert self.paged_kernel is not None
+    def _paged_rows(self, spans: list[tuple[int, int, int, Sequence[int]]],
+                    op: Callable[..., torch.Tensor]) -> PagedRows:
         dev = self.device
         width = max(len(blocks) for _, _, _, blocks in spans)
         q_start = [0]
@@ -149,10 +163,10 @@ class ModelRunner:
         for offset, n, _, _ in spans:
             q_start.append(q_start[-1] + n)
             rows.extend(range(offset, offset + n))
-        prefix = rows == list(range(len(rows)))
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
         return PagedRows(
-            op=self.paged_kernel, num_rows=len(rows),
+            op=op, num_rows=len(rows), first=rows[0],
             tables=torch.tensor([list(b) + [0] * (width - len(b)) for _, _, _, b in spans], dtype=torch.long, device=dev),
             q_start=torch.tensor(q_start, dtype=torch.long, device=dev),
             ctx_lens=torch.tensor([ctx for _, _, ctx, _ in spans], dtype=torch.long, device=dev),
-            index=None if prefix else torch.tensor(rows, dtype=torch.long, device=dev))
+            index=None if consecutive else torch.tensor(rows, dtype=torch.long, device=dev))

@@ -1,5 +1,6 @@
-"""The native paged-attention kernel: the same attention as PyTorch's SDPA over gathered blocks,
-for every span shape the runner gives it, and a clean fallback where it cannot be built."""
+"""The native attention kernels (few-row `paged_attention`, many-row `chunk_attention`): the same
+attention as PyTorch's SDPA over gathered blocks, for every span shape the runner gives them, and
+a clean fallback where they cannot be built."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from engine.sampling_params import SamplingParams
 
 ops = kernels.load()
 op = ops.paged_attention if ops is not None else None
+chunk_op = ops.chunk_attention if ops is not None else None
 needs_kernel = pytest.mark.skipif(op is None, reason="the native kernel cannot be built here (no C++ compiler)")
 
 BS = 16
@@ -35,8 +37,11 @@ def _pool(kv_heads: int, head_dim: int, num_blocks: int = 64, layers: int = 3, s
     return kv[:, 1, 0], kv[:, 1, 1]
 
 
-def _run(spans: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, split: int, seed: int):
-    k_cache, v_cache = _pool(kv_heads, head_dim, seed=seed)
+def _run(spans: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, split: int, seed: int,
+         chunk: bool = False, num_blocks: int = 64):
+    """The kernel's result and SDPA's for `spans` ((rows, context) each); `split` is the few-row
+    kernel's key split, or with `chunk` the chunk kernel's row tiles per unit."""
+    k_cache, v_cache = _pool(kv_heads, head_dim, num_blocks=num_blocks, seed=seed)
     rng = random.Random(seed)
     width = max(-(-ctx // BS) for _, ctx in spans)
     ids = list(range(k_cache.shape[0]))
@@ -45,7 +50,7 @@ def _run(spans: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
     ctx_lens = torch.tensor([ctx for _, ctx in spans])
     q = torch.randn(int(q_start[-1]), heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
     scale = head_dim ** -0.5
-    got = op(q, k_cache, v_cache, tables, q_start, ctx_lens, scale, split)
+    got = (chunk_op if chunk else op)(q, k_cache, v_cache, tables, q_start, ctx_lens, scale, split)
     return got, paged_attention_reference(q, k_cache, v_cache, tables, q_start, ctx_lens, scale)
 
 
@@ -67,6 +72,57 @@ def test_kernel_matches_sdpa_over_gathered_blocks(heads: int, kv_heads: int, hea
 def test_kernel_matches_sdpa_for_any_spans_and_split(spans: list[tuple[int, int]], split: int, seed: int) -> None:
     got, expected = _run(spans, 9, 3, 64, split, seed)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 48), (6, 1, 128), (4, 2, 16)])
+@pytest.mark.parametrize("row_tiles", [1, 2, 3])
+def test_chunk_kernel_matches_sdpa_over_gathered_blocks(heads: int, kv_heads: int, head_dim: int,
+                                                       row_tiles: int) -> None:
+    # a prefix hit's 64-row chunk over 700 keys, causal prompts (one past a key tile, one of a
+    # single key), a chunk whose rows end inside a key tile, 9 rows right after one cached block
+    spans = [(64, 700), (300, 300), (1, 1), (100, 130), (9, 25), (65, 65)]
+    got, expected = _run(spans, heads, kv_heads, head_dim, split=row_tiles, seed=heads, chunk=True)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spans=st.lists(st.integers(1, 160).flatmap(lambda n: st.tuples(st.just(n), st.integers(n, 600))),
+                      min_size=1, max_size=4),
+       row_tiles=st.integers(1, 4), seed=st.integers(0, 1000))
+def test_chunk_kernel_matches_sdpa_for_any_spans(spans: list[tuple[int, int]], row_tiles: int, seed: int) -> None:
+    got, expected = _run(spans, 9, 3, 64, row_tiles, seed, chunk=True)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_chunk_kernel_reads_rows_of_a_wider_tensor() -> None:
+    """The runner passes q as a view of the fused q/k/v projection (a row stride past H * D)."""
+    k_cache, v_cache = _pool(3, 64)
+    qkv = torch.randn(40, 15 * 64)
+    q = qkv[:, : 9 * 64].view(40, 9, 64)
+    tables, q_start, ctx_lens = torch.tensor([[3, 1, 4, 0]]), torch.tensor([0, 40]), torch.tensor([60])
+    expected = paged_attention_reference(q.contiguous(), k_cache, v_cache, tables, q_start, ctx_lens, 0.125)
+    torch.testing.assert_close(chunk_op(q, k_cache, v_cache, tables, q_start, ctx_lens, 0.125, 2), expected,
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_chunk_kernel_rejects_inconsistent_input_with_a_clear_error() -> None:
+    k_cache, v_cache = _pool(3, 64)
+    q = torch.randn(20, 9, 64)
+    tables, q_start = torch.tensor([[0, 1]], dtype=torch.long), torch.tensor([0, 20])
+    with pytest.raises(RuntimeError, match="do not fit its table"):
+        chunk_op(q, k_cache, v_cache, tables, q_start, torch.tensor([40]), 0.125, 2)
+    with pytest.raises(RuntimeError, match="out of range"):
+        chunk_op(q, k_cache, v_cache, torch.tensor([[0, 999]]), q_start, torch.tensor([20]), 0.125, 2)
+    with pytest.raises(RuntimeError, match="row_tiles must be positive"):
+        chunk_op(q, k_cache, v_cache, tables, q_start, torch.tensor([20]), 0.125, 0)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        k12, v12 = _pool(3, 12)
+        chunk_op(torch.randn(20, 9, 12), k12, v12, tables, q_start, torch.tensor([20]), 0.125, 2)
 
 
 @needs_kernel
@@ -92,6 +148,7 @@ def test_engine_outputs_and_logits_are_the_same_with_and_without_the_kernel(tiny
         core = EngineCore(EngineConfig(model="tiny", num_blocks=128, max_num_batched_tokens=512, device="cpu",
                                        native_kernels=native), loaded=load_model(str(tiny_model_dir), device="cpu"))
         assert (core.runner.paged_kernel is not None) is native
+        assert (core.runner.chunk_kernel is not None) is native
         rng = random.Random(3)
         doc = [rng.randrange(3, core.vocab_size) for _ in range(90)]
         prompts = [doc, doc + [5, 6, 7], [rng.randrange(3, core.vocab_size) for _ in range(40)], doc[:33]]
@@ -106,15 +163,17 @@ def test_engine_outputs_and_logits_are_the_same_with_and_without_the_kernel(tiny
         cores[native], outputs[native] = core, out
     assert outputs[True] == outputs[False] and len(outputs[True]) == 4
 
-    # the logits themselves, for a step mixing decode rows and a 6-row chunk over a cached context
-    tables = [[0, 1, 2], [3], [4, 5]]
-    ids = [[11], [12], [13, 14, 15, 16, 17, 18]]
-    starts = [40, 9, 20]
+    # the logits themselves, for a step mixing decode rows, a 6-row chunk over a cached context
+    # (few-row kernel), a 20-row chunk over a cached context and a cold 30-token prompt (chunk kernel)
+    tables = [[0, 1, 2], [3], [4, 5], [6, 7, 8], [9, 10]]
+    ids = [[11], [12], [13, 14, 15, 16, 17, 18], list(range(20, 40)), list(range(50, 80))]
+    starts = [40, 9, 20, 25, 0]
     core = cores[True]
-    a = core.runner.execute(ids, starts, tables, [0, 1, 2])
-    core.runner.paged_kernel = None
-    b = core.runner.execute(ids, starts, tables, [0, 1, 2])
-    core.runner.paged_kernel = op
+    rows = list(range(len(ids)))
+    a = core.runner.execute(ids, starts, tables, rows)
+    core.runner.paged_kernel = core.runner.chunk_kernel = None
+    b = core.runner.execute(ids, starts, tables, rows)
+    core.runner.paged_kernel, core.runner.chunk_kernel = op, chunk_op
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
@@ -138,7 +197,7 @@ def test_a_build_is_kept_per_cpu_and_source(monkeypatch, tmp_path) -> None:
 
 def test_engine_without_native_kernels_uses_the_pytorch_path(tiny_model_dir) -> None:
     core = EngineCore(EngineConfig(model=str(tiny_model_dir), num_blocks=32, native_kernels=False))
-    assert core.runner.paged_kernel is None
+    assert core.runner.paged_kernel is None and core.runner.chunk_kernel is None
 
 
 needs_ops = pytest.mark.skipif(ops is None, reason="the native ops cannot be built here (no C++ compiler)")
@@ -244,7 +303,7 @@ def test_self_check_accepts_this_build() -> None:
 
 @needs_ops
 @pytest.mark.parametrize("name", ["silu_mul", "rms_norm", "add_rms_norm", "small_linear", "rope_write_kv",
-                                  "paged_attention"])
+                                  "paged_attention", "chunk_attention"])
 def test_self_check_names_an_op_that_computes_wrong_values(name: str) -> None:
     import dataclasses
 

@@ -1,0 +1,333 @@
+// Attention of prefill chunks (many query rows per sequence) over their paged context, on CPU,
+// float32: the rows of a prompt whose prefix was a cache hit, and whole cold prompts.
+//
+// PyTorch's flash attention needs the context gathered into a contiguous copy first and runs its
+// small GEMMs well below the machine's matmul rate on these shapes (docs/engine.md: a 64-row
+// chunk over 2k keys 2.6 → 1.7 ms per layer, a causal 2k prompt 41 → 29 ms). This kernel reads
+// K/V where they lie in the pool and works on transposed scores, so the softmax needs no
+// horizontal operation:
+//
+//   row tile  R query rows of one KV head: the rows of all G query heads that share it
+//             (row j = token j / G, head j % G); R = 3 vectors of lanes (48 with AVX-512)
+//   Q^T  [D][R]     the tile's queries, scaled, packed once
+//   per tile of 64 keys, in order (online softmax):
+//     S^T  [keys][R] = K . Q^T     each key's D values broadcast from the pool against Q^T's
+//                                  vectors: KEYS x 3 accumulators, every lane a different row
+//     mask keys after a row's position (only where a key tile reaches past the tile's first row)
+//     m, l per row as vectors: the max over keys is a vertical max, so are exp and the sums
+//     O^T  [D][R] = O^T * alpha + V^T . P^T   each value broadcast against P^T's vectors
+//   out[row] = O^T[:, row] / l[row]
+//
+// A unit of work is (span, KV head, `row_tiles` consecutive row tiles): each key tile is read
+// from the pool once for all of them. Units are handed out longest first from a shared counter,
+// so a causal prompt's short and long units even out between threads.
+//
+// Shapes (the layouts engine/attention.py has):
+//   q          [T, H, D]      rows of span s are q_start[s] .. q_start[s+1]-1; any row stride
+//   k/v cache  [NB, BS, KV, D]  a layer's view: any block stride, contiguous inside a block
+//   tables     [S, W] int64   block ids of span s's context, in order (padded)
+//   q_start    [S + 1] int64
+//   ctx_lens   [S] int64      keys of span s; its last row sits at position ctx_len - 1
+// Row i of span s (n rows) is at position ctx_len - n + i and attends to keys 0 ..= that position.
+// Returns [T, H, D]. D must be a multiple of 8.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec_math.h"
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;  // one zmm register of rows
+constexpr int kKeys = 8;    // 8 keys x 3 vectors = 24 accumulators of 32 registers
+#else
+constexpr int kLanes = 8;   // one ymm register (or a pair of 128-bit ones)
+constexpr int kKeys = 4;    // 4 x 3 = 12 accumulators of 16 registers
+#endif
+constexpr int kVecs = 3;  // score_group and weigh_group spell out three vectors
+constexpr int kRows = kVecs * kLanes;
+constexpr int kTile = 64;   // keys per softmax tile; a multiple of kKeys
+static_assert(kTile % kKeys == 0, "a tile holds whole key groups");
+
+typedef float vec __attribute__((vector_size(kLanes * 4)));
+typedef int32_t ivec __attribute__((vector_size(kLanes * 4)));
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+
+inline vec splat(float x) { return vec{} + x; }
+
+// exp with the clamp of vec_math.h (same polynomial as every other exp of the kernels)
+inline vec exp_vec(vec x) {
+  const vec lo = splat(-87.0f), hi = splat(88.0f);
+  vec v = x < lo ? lo : x;
+  v = v > hi ? hi : v;
+  vec k;
+  const vec p = kvgate::exp_reduced(v, k);
+  return p * reinterpret_cast<vec>((__builtin_convertvector(k, ivec) + 127) << 23);
+}
+
+inline vec vmax(vec a, vec b) { return a > b ? a : b; }
+
+// Rows of one KV head a unit computes: up to row_tiles tiles of kRows rows.
+struct Unit {
+  int64_t span, kv_head, row0, rows, keys;  // rows j in [row0, row0 + rows); keys: visible to the last row
+};
+
+// One tile of kRows query rows and its running softmax.
+struct RowTile {
+  std::vector<float> qt, ot;  // Q^T [D][R] (scaled), O^T [D][R]
+  vec m[kVecs], l[kVecs], pos[kVecs];
+  int64_t first_pos = 0, keys = 0;  // position of its first row; keys its last row sees
+};
+
+// S^T[t][r] = sum_d K[t][d] Q^T[d][r] for the kKeys keys at `keys`.
+inline void score_group(const float* const* keys, const float* qt, int64_t D, float* s) {
+  vec acc[kKeys][kVecs];
+#pragma GCC unroll 8
+  for (int u = 0; u < kKeys; ++u)
+#pragma GCC unroll 3
+    for (int v = 0; v < kVecs; ++v) acc[u][v] = vec{};
+  for (int64_t d = 0; d < D; ++d) {
+    const float* b = qt + d * kRows;
+    const vec b0 = load(b), b1 = load(b + kLanes), b2 = load(b + 2 * kLanes);
+#pragma GCC unroll 8
+    for (int u = 0; u < kKeys; ++u) {
+      const vec a = splat(keys[u][d]);
+      acc[u][0] += a * b0;
+      acc[u][1] += a * b1;
+      acc[u][2] += a * b2;
+    }
+  }
+#pragma GCC unroll 8
+  for (int u = 0; u < kKeys; ++u)
+#pragma GCC unroll 3
+    for (int v = 0; v < kVecs; ++v) store(s + u * kRows + v * kLanes, acc[u][v]);
+}
+
+// O^T[d0 + u][r] += sum_t V[t][d0 + u] P^T[t][r] for u < kKeys, t < n.
+inline void weigh_group(const float* const* values, const float* p, int64_t n, int64_t d0, float* ot) {
+  vec acc[kKeys][kVecs];
+#pragma GCC unroll 8
+  for (int u = 0; u < kKeys; ++u)
+#pragma GCC unroll 3
+    for (int v = 0; v < kVecs; ++v) acc[u][v] = load(ot + (d0 + u) * kRows + v * kLanes);
+  for (int64_t t = 0; t < n; ++t) {
+    const float* b = p + t * kRows;
+    const vec b0 = load(b), b1 = load(b + kLanes), b2 = load(b + 2 * kLanes);
+    const float* row = values[t] + d0;
+#pragma GCC unroll 8
+    for (int u = 0; u < kKeys; ++u) {
+      const vec a = splat(row[u]);
+      acc[u][0] += a * b0;
+      acc[u][1] += a * b1;
+      acc[u][2] += a * b2;
+    }
+  }
+#pragma GCC unroll 8
+  for (int u = 0; u < kKeys; ++u)
+#pragma GCC unroll 3
+    for (int v = 0; v < kVecs; ++v) store(ot + (d0 + u) * kRows + v * kLanes, acc[u][v]);
+}
+
+at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& tables, const at::Tensor& q_start, const at::Tensor& ctx_lens,
+                           double scale, int64_t row_tiles) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be [T, H, D] float32");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "k/v cache must be [NB, BS, KV, D]");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat, "k/v cache must be float32");
+  const int64_t BS = k_cache.size(1), KV = k_cache.size(2), D = k_cache.size(3);
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == D && k_cache.stride(1) == KV * D &&
+              v_cache.stride(3) == 1 && v_cache.stride(2) == D && v_cache.stride(1) == KV * D,
+              "k/v cache blocks must be contiguous inside");
+  const int64_t T = q.size(0), H = q.size(1);
+  TORCH_CHECK(q.size(2) == D && H % KV == 0, "q heads must be a multiple of kv heads, same head dim");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "q must have contiguous heads (any row stride)");
+  TORCH_CHECK(row_tiles >= 1, "row_tiles must be positive");
+  TORCH_CHECK(D % kKeys == 0 && D % 8 == 0, "head size must be a multiple of 8");
+  TORCH_CHECK(tables.dim() == 2 && tables.is_contiguous() && tables.scalar_type() == at::kLong, "tables must be [S, W] int64");
+  const int64_t S = tables.size(0), W = tables.size(1);
+  TORCH_CHECK(q_start.numel() == S + 1 && q_start.scalar_type() == at::kLong && q_start.is_contiguous(), "q_start must be [S + 1] int64");
+  TORCH_CHECK(ctx_lens.numel() == S && ctx_lens.scalar_type() == at::kLong && ctx_lens.is_contiguous(), "ctx_lens must be [S] int64");
+  const int64_t G = H / KV;
+  const int64_t* starts = q_start.data_ptr<int64_t>();
+  const int64_t* lens = ctx_lens.data_ptr<int64_t>();
+  const int64_t* table = tables.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[S] == T, "q_start must run from 0 to T");
+  const int64_t nb = k_cache.size(0);
+  TORCH_CHECK(k_cache.stride(0) == v_cache.stride(0), "k and v caches must share a block stride");
+
+  std::vector<Unit> units;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = starts[s + 1] - starts[s], ctx = lens[s];
+    TORCH_CHECK(n >= 1 && n <= ctx && ctx <= W * BS, "span ", s, ": rows and context length do not fit its table");
+    TORCH_CHECK(ctx <= (1 << 24), "span ", s, ": a context of ", ctx, " keys is past this kernel's 2^24 (positions are compared as float32)");
+    for (int64_t b = 0; b < (ctx + BS - 1) / BS; ++b) {
+      const int64_t id = table[s * W + b];
+      TORCH_CHECK(id >= 0 && id < nb, "span ", s, ": block id ", id, " out of range");
+    }
+    for (int64_t h = 0; h < KV; ++h)
+      for (int64_t j = 0; j < n * G; j += row_tiles * kRows) {
+        const int64_t rows = std::min<int64_t>(row_tiles * kRows, n * G - j);
+        units.push_back({s, h, j, rows, ctx - n + (j + rows - 1) / G + 1});
+      }
+  }
+  // longest first: a causal prompt's last rows see every key, its first rows few
+  std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.keys > b.keys; });
+
+  auto out = at::empty({T, H, D}, q.options());
+  float* op = out.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const int64_t q_row = q.stride(0);
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t block_stride = k_cache.stride(0);
+  const float fscale = static_cast<float>(scale);
+  const std::vector<float> zeros(D, 0.0f);
+  std::atomic<int64_t> next{0};
+  const int64_t total = static_cast<int64_t>(units.size());
+
+  at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total)), 1, [&](int64_t, int64_t) {
+    std::vector<RowTile> tiles(row_tiles);
+    for (RowTile& rt : tiles) {
+      rt.qt.resize(D * kRows);
+      rt.ot.resize(D * kRows);
+    }
+    std::vector<float> scores(kTile * kRows);  // S^T, then P^T, of one row tile and key tile
+    std::vector<const float*> krow(kTile), vrow(kTile);
+    for (int64_t u = next.fetch_add(1); u < total; u = next.fetch_add(1)) {
+      const Unit& unit = units[u];
+      const int64_t s = unit.span, h = unit.kv_head, n = starts[s + 1] - starts[s], ctx = lens[s];
+      const int64_t first = ctx - n;  // position of the span's row 0
+      const int64_t* blocks = table + s * W;
+      const int64_t ntiles = (unit.rows + kRows - 1) / kRows;
+      // Q^T, scaled; padding rows (past the unit's rows) are zero and take the last row's position
+      for (int64_t t = 0; t < ntiles; ++t) {
+        RowTile& rt = tiles[t];
+        const int64_t row0 = unit.row0 + t * kRows, rows = std::min<int64_t>(kRows, unit.row0 + unit.rows - row0);
+        float* qt = rt.qt.data();
+        float pos[kRows];
+        for (int64_t r = 0; r < kRows; ++r) {
+          const int64_t j = row0 + std::min<int64_t>(r, rows - 1);
+          pos[r] = static_cast<float>(first + j / G);
+          if (r >= rows) {
+            for (int64_t d = 0; d < D; ++d) qt[d * kRows + r] = 0.0f;
+            continue;
+          }
+          const float* src = qp + (starts[s] + j / G) * q_row + (h * G + j % G) * D;
+          for (int64_t d = 0; d < D; ++d) qt[d * kRows + r] = src[d] * fscale;
+        }
+        rt.first_pos = first + row0 / G;
+        rt.keys = first + (row0 + rows - 1) / G + 1;
+        for (int v = 0; v < kVecs; ++v) {
+          rt.m[v] = splat(kNegInf);
+          rt.l[v] = vec{};
+          rt.pos[v] = load(pos + v * kLanes);
+        }
+        std::fill(rt.ot.begin(), rt.ot.end(), 0.0f);
+      }
+      float* st = scores.data();
+      for (int64_t k0 = 0; k0 < unit.keys; k0 += kTile) {
+        const int64_t tile_end = std::min<int64_t>(k0 + kTile, unit.keys);
+        for (int64_t key = k0; key < tile_end; ++key) {
+          const int64_t offset = blocks[key / BS] * block_stride + ((key % BS) * KV + h) * D;
+          krow[key - k0] = kp + offset;
+          vrow[key - k0] = vp + offset;
+        }
+        // the next key tile's K/V toward L2 while this one computes (a layer's K/V lie in 12 KB
+        // pieces far apart in the pool: -2 to -6 ms of a 64-row chunk's 55-64 ms over 30 layers)
+        for (int64_t key = tile_end; key < std::min(unit.keys, tile_end + kTile); ++key) {
+          const int64_t offset = blocks[key / BS] * block_stride + ((key % BS) * KV + h) * D;
+          for (int64_t d = 0; d < D; d += 16) {
+            __builtin_prefetch(kp + offset + d, 0, 2);
+            __builtin_prefetch(vp + offset + d, 0, 2);
+          }
+        }
+        // every row tile of the unit over this key tile, while its K/V rows are in L1/L2
+        for (int64_t t = 0; t < ntiles; ++t) {
+          RowTile& rt = tiles[t];
+          if (k0 >= rt.keys) continue;  // a causal tile that ends before these keys
+          const int64_t kt = std::min<int64_t>(tile_end, rt.keys) - k0;
+          const int64_t padded = (kt + kKeys - 1) / kKeys * kKeys;
+          for (int64_t i = kt; i < padded; ++i) krow[i] = vrow[i] = zeros.data();
+          for (int64_t i = 0; i < padded; i += kKeys) score_group(krow.data() + i, rt.qt.data(), D, st + i * kRows);
+          if (k0 + padded - 1 > rt.first_pos)  // some key lies after some row's position
+            for (int64_t i = 0; i < padded; ++i) {
+              const vec key = splat(static_cast<float>(k0 + i));
+              for (int v = 0; v < kVecs; ++v) {
+                float* row = st + i * kRows + v * kLanes;
+                store(row, key > rt.pos[v] ? splat(kNegInf) : load(row));
+              }
+            }
+          vec alpha[kVecs];
+          for (int v = 0; v < kVecs; ++v) {
+            vec mt = rt.m[v];
+            for (int64_t i = 0; i < padded; ++i) mt = vmax(mt, load(st + i * kRows + v * kLanes));
+            alpha[v] = exp_vec(rt.m[v] - mt);  // the first tile: exp(-inf) ~ 0, times l = 0 and O = 0
+            rt.m[v] = mt;
+            vec sum{};
+            for (int64_t i = 0; i < padded; ++i) {
+              float* row = st + i * kRows + v * kLanes;
+              const vec x = load(row);
+              const vec p = x == splat(kNegInf) ? vec{} : exp_vec(x - mt);
+              store(row, p);
+              sum += p;
+            }
+            rt.l[v] = rt.l[v] * alpha[v] + sum;
+          }
+          float* ot = rt.ot.data();
+          if (k0 > 0)
+            for (int64_t d = 0; d < D; ++d)
+              for (int v = 0; v < kVecs; ++v) store(ot + d * kRows + v * kLanes, load(ot + d * kRows + v * kLanes) * alpha[v]);
+          for (int64_t d0 = 0; d0 < D; d0 += kKeys) weigh_group(vrow.data(), st, padded, d0, ot);
+          for (int64_t i = kt; i < padded && k0 + i < tile_end; ++i) {  // restore what the padding replaced
+            const int64_t key = k0 + i;
+            const int64_t offset = blocks[key / BS] * block_stride + ((key % BS) * KV + h) * D;
+            krow[i] = kp + offset;
+            vrow[i] = vp + offset;
+          }
+        }
+      }
+      for (int64_t t = 0; t < ntiles; ++t) {
+        const RowTile& rt = tiles[t];
+        const int64_t row0 = unit.row0 + t * kRows, rows = std::min<int64_t>(kRows, unit.row0 + unit.rows - row0);
+        float inv[kRows];
+        for (int v = 0; v < kVecs; ++v) store(inv + v * kLanes, splat(1.0f) / rt.l[v]);
+        const float* ot = rt.ot.data();
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t j = row0 + r;
+          float* dst = op + ((starts[s] + j / G) * H + h * G + j % G) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = ot[d * kRows + r] * inv[r];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvgate, m) {
+  m.def("chunk_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor q_start, "
+        "Tensor ctx_lens, float scale, int row_tiles) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvgate, CPU, m) { m.impl("chunk_attention", &chunk_attention); }
