@@ -5,7 +5,9 @@ sequence — decodes and short prefill chunks — straight from the paged KV poo
 context into a contiguous copy, each block read once per KV head for all the query heads that
 share it. Measured on a 2-core AMD EPYC (docs/benchmarks.md): a 16-sequence decode layer at 176
 tokens of context 2.2 ms → 0.18 ms (gather + SDPA vs the kernel), 5 rows over 2,053 tokens
-1.0 → 0.6 ms. Long prefill chunks stay with PyTorch's flash attention, which is faster there.
+1.0 → 0.6 ms. `chunk_attention` (engine/csrc/chunk_attention.cpp) takes the longer prefill chunks,
+GEMM-shaped: a 64-row chunk over 2,048 keys 2.6 → 1.9 ms per layer against PyTorch's flash
+attention with its gather, a causal 2,048-token prompt 43 → 30 ms per layer.
 `fused_ops.cpp` holds the fused steps of engine.fast_decoder, `small_gemm.cpp` the few-row matmul
 of engine.packing's layers (docs/engine.md has the figures).
 
