@@ -1,12 +1,11 @@
 """A numerical self-check of a native kernel build before the engine trusts it.
 
-The kernels are compiled on the serving machine, by whatever compiler and torch it has. One such
-build (Ubuntu 24.04's GCC 13, torch 2.11, an Intel Xeon) computed wrong values in
-tests/engine/test_fast_decoder.py while every PyTorch path was right: a build we never ran
-before must not reach a model's logits unchecked. `first_mismatch` runs each op once on small
-seeded inputs shaped to reach its vector loops and their tails (head size 64, row counts that are
-not multiples of the tiles) and compares with the same arithmetic in PyTorch; a few milliseconds,
-once per process.
+The kernels are compiled on the serving machine, by whatever compiler and torch it has: a build
+we never ran before must not reach a model's logits unchecked. `first_mismatch` runs each op once
+on small seeded inputs shaped to reach its vector loops and their tails (head size 64, row counts
+that are not multiples of the tiles) and compares with the same arithmetic in PyTorch; a few
+milliseconds, once per process. (What first prompted it, logits off on a GCC 13 / torch 2.11
+machine, turned out to be a racy test: docs/engine.md.)
 """
 
 from __future__ import annotations
