@@ -3,7 +3,8 @@
 // At 16 rows oneDNN's and MKL's GEMMs run a streamed weight at 6-9 GB/s, a third of what the
 // memory delivers, so a decode step's matmuls cost twice what reading the weights does. This
 // kernel reads W as it is stored ([N, K], row-major: each output's weights contiguous): a tile of
-// 3 outputs x 4 rows keeps 12 accumulators of 8 lanes along K, so each 8-float piece of W is
+// 3 outputs x 4 rows keeps 12 accumulators of 8 lanes along K (8 rows of 16 lanes with AVX-512),
+// so each 8-float piece of W is
 // loaded once per 4 rows and every x piece once per 3 outputs; one horizontal sum per output
 // and row at the end. The 3 weight rows of a tile (3 x 4 x K bytes) stay in L1 while every block
 // of 4 rows passes over them, so W comes from memory once. Tiles of outputs are shared between
@@ -69,6 +70,40 @@ inline void tile(const float* x, int64_t xs, const float* w, int64_t ws, int64_t
 }
 #endif
 
+#if defined(__AVX512F__)
+// The AVX-512 form of `tile`: 16 lanes along K, up to 8 rows x 3 outputs = 24 of the 32 zmm
+// registers, so each weight vector is loaded once per 8 rows; K % 16 == 0. On a Zen 4 VM, 30
+// layers of SmolLM2's shapes: 16 rows 35.1 / 34.9 -> 32.6 / 32.1 ms, 8 rows 24.7 / 23.7 -> 22.3 /
+// 21.3 ms against the AVX2 tile (two alternating pairs).
+template <int MR>
+inline void tile16(const float* x, int64_t xs, const float* w, int64_t ws, int64_t k, float* out, int64_t os,
+                   const float* next) {
+  __m512 acc[MR][3];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 3; ++j) acc[r][j] = _mm512_setzero_ps();
+  const float* w0 = w;
+  const float* w1 = w + ws;
+  const float* w2 = w + 2 * ws;
+  for (int64_t i = 0; i < k; i += 16) {
+    if (next != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + ws + i), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + 2 * ws + i), _MM_HINT_T0);
+    }
+    const __m512 a = _mm512_loadu_ps(w0 + i), b = _mm512_loadu_ps(w1 + i), c = _mm512_loadu_ps(w2 + i);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * xs + i);
+      acc[r][0] = _mm512_fmadd_ps(xv, a, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, b, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(xv, c, acc[r][2]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 3; ++j) out[r * os + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+#endif
+
+
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be float32 [M, K] with contiguous rows");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kFloat && weight.size(1) == x.size(1),
@@ -89,6 +124,15 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * NR, nn = std::min(NR, N - n0);
+#if defined(__AVX512F__)
+      if (nn == NR && K % 16 == 0) {
+        const float* next = n0 + 2 * NR <= N ? wp + (n0 + NR) * K : nullptr;
+        int64_t r = 0;
+        for (; r + 8 <= M; r += 8) tile16<8>(xp + r * xs, xs, wp + n0 * K, K, K, op + r * N + n0, N, r == 0 ? next : nullptr);
+        for (; r + 4 <= M; r += 4) tile16<4>(xp + r * xs, xs, wp + n0 * K, K, K, op + r * N + n0, N, r == 0 ? next : nullptr);
+        for (; r < M; ++r) tile16<1>(xp + r * xs, xs, wp + n0 * K, K, K, op + r * N + n0, N, r == 0 ? next : nullptr);
+      } else
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
       if (nn == NR && K % 8 == 0) {
         // prefetch the next tile during the first pass over this one (later passes hit L1)

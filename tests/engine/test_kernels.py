@@ -5,6 +5,7 @@ a clean fallback where they cannot be built."""
 from __future__ import annotations
 
 import logging
+import platform
 import random
 
 import pytest
@@ -123,6 +124,15 @@ def test_chunk_kernel_rejects_inconsistent_input_with_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="multiple of 8"):
         k12, v12 = _pool(3, 12)
         chunk_op(torch.randn(20, 9, 12), k12, v12, tables, q_start, torch.tensor([20]), 0.125, 2)
+
+
+@pytest.mark.skipif(kernels._compiler() is None or platform.system() != "Linux",
+                    reason="no C++ compiler here: the PyTorch path is what runs")
+def test_where_a_compiler_exists_the_kernels_build_and_pass_their_self_check() -> None:
+    """Every kernel test here skips when `kernels.load()` gives None; with a compiler at hand that
+    must mean a broken build or a kernel computing wrong values (the self-check refused it), and
+    this test says so instead of letting the others skip."""
+    assert ops is not None, "the native kernels failed to build or failed their self-check: see the log"
 
 
 @needs_kernel
