@@ -129,8 +129,9 @@ class ModelRunner:
         if chunk_spans:
             assert self.chunk_kernel is not None
             chunk = self.chunk_kernel
-            meta.paged.append(self._paged_rows(
-                chunk_spans, lambda q, *args: chunk(q, *args, attention.CHUNK_ROW_TILES)))
+            meta.paged.append(self._paged_rows(chunk_spans, lambda q, *args: chunk(
+                q if q.stride(1) == q.shape[2] and q.stride(2) == 1 else q.contiguous(),  # any row stride
+                *args, attention.CHUNK_ROW_TILES)))
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             padded = [list(t) + [0] * (width - len(t)) for t in decode_tables]

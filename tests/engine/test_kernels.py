@@ -187,6 +187,38 @@ def test_engine_outputs_and_logits_are_the_same_with_and_without_the_kernel(tiny
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@needs_kernel
+def test_transformers_modules_path_gives_the_same_logits_with_the_kernels(tiny_model_dir) -> None:
+    """Models off the fast decoder reach the kernels through transformers' attention call, whose
+    query is a transposed view: a cold prompt and a 20-row chunk over it, kernels on and off."""
+    from cache.kv_storage import KVStorage
+    from engine.runner import ModelRunner
+
+    logits = []
+    for native in (ops, None):
+        loaded = load_model(str(tiny_model_dir), device="cpu")
+        storage = KVStorage(16, loaded.num_layers, BS, loaded.num_kv_heads, loaded.head_dim, dtype=loaded.dtype,
+                            device=loaded.device)
+        runner = ModelRunner(loaded.model, storage, native, fast_decoder=False)
+        assert runner.fast is None and (runner.chunk_kernel is not None) is (native is not None)
+        first = runner.execute([list(range(3, 33))], [0], [[0, 1]], [0])
+        second = runner.execute([list(range(40, 60))], [30], [[0, 1, 2, 3]], [0])
+        logits.append(torch.cat([first, second]))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+    # a query laid out heads-first ([H, T, D] memory, as a model could hand it over) works too
+    meta = runner._prepare([list(range(40, 60))], [30], [[0, 1, 2, 3]])[0]
+    runner.chunk_kernel = chunk_op
+    meta_kernel = runner._prepare([list(range(40, 60))], [30], [[0, 1, 2, 3]])[0]
+    heads_first = torch.randn(loaded.model.config.num_attention_heads, 20, loaded.head_dim).transpose(0, 1)
+    k_new = torch.randn(20, loaded.num_kv_heads, loaded.head_dim)
+    v_new = torch.randn(20, loaded.num_kv_heads, loaded.head_dim)
+    from engine.attention import attend
+
+    torch.testing.assert_close(attend(meta_kernel, 0, heads_first, k_new, v_new, None),
+                               attend(meta, 0, heads_first.contiguous(), k_new, v_new, None), rtol=1e-5, atol=1e-5)
+
+
 def test_without_a_compiler_the_engine_falls_back_and_says_why(monkeypatch, tmp_path, caplog) -> None:
     monkeypatch.setenv("KVGATE_KERNEL_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "/bin/false")  # a "compiler" that fails
