@@ -3,7 +3,7 @@
 //
 // PyTorch's flash attention needs the context gathered into a contiguous copy first and runs its
 // small GEMMs well below the machine's matmul rate on these shapes (docs/engine.md: a 64-row
-// chunk over 2k keys 2.6 → 1.7 ms per layer, a causal 2k prompt 41 → 29 ms). This kernel reads
+// chunk over 2k keys 2.6 → 1.9 ms per layer, a causal 2k prompt 43 → 30 ms). This kernel reads
 // K/V where they lie in the pool and works on transposed scores, so the softmax needs no
 // horizontal operation:
 //
@@ -253,7 +253,7 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const
           vrow[key - k0] = vp + offset;
         }
         // the next key tile's K/V toward L2 while this one computes (a layer's K/V lie in 12 KB
-        // pieces far apart in the pool: -2 to -6 ms of a 64-row chunk's 55-64 ms over 30 layers)
+        // pieces far apart in the pool: -1.5 to -7 ms of a 64-row chunk's 55-64 ms over 30 layers)
         for (int64_t key = tile_end; key < std::min(unit.keys, tile_end + kTile); ++key) {
           const int64_t offset = blocks[key / BS] * block_stride + ((key % BS) * KV + h) * D;
           for (int64_t d = 0; d < D; d += 16) {
