@@ -44,6 +44,7 @@
 #include <limits>
 #include <vector>
 
+#include "paged_inputs.h"
 #include "vec_math.h"
 
 namespace {
@@ -151,39 +152,16 @@ inline void weigh_group(const float* const* values, const float* p, int64_t n, i
 at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& tables, const at::Tensor& q_start, const at::Tensor& ctx_lens,
                            double scale, int64_t row_tiles) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be [T, H, D] float32");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "k/v cache must be [NB, BS, KV, D]");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat, "k/v cache must be float32");
-  const int64_t BS = k_cache.size(1), KV = k_cache.size(2), D = k_cache.size(3);
-  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == D && k_cache.stride(1) == KV * D &&
-              v_cache.stride(3) == 1 && v_cache.stride(2) == D && v_cache.stride(1) == KV * D,
-              "k/v cache blocks must be contiguous inside");
-  const int64_t T = q.size(0), H = q.size(1);
-  TORCH_CHECK(q.size(2) == D && H % KV == 0, "q heads must be a multiple of kv heads, same head dim");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "q must have contiguous heads (any row stride)");
+  const kvgate::PagedInputs in = kvgate::check_paged_inputs(q, k_cache, v_cache, tables, q_start, ctx_lens);
   TORCH_CHECK(row_tiles >= 1, "row_tiles must be positive");
-  TORCH_CHECK(D % kKeys == 0 && D % 8 == 0, "head size must be a multiple of 8");
-  TORCH_CHECK(tables.dim() == 2 && tables.is_contiguous() && tables.scalar_type() == at::kLong, "tables must be [S, W] int64");
-  const int64_t S = tables.size(0), W = tables.size(1);
-  TORCH_CHECK(q_start.numel() == S + 1 && q_start.scalar_type() == at::kLong && q_start.is_contiguous(), "q_start must be [S + 1] int64");
-  TORCH_CHECK(ctx_lens.numel() == S && ctx_lens.scalar_type() == at::kLong && ctx_lens.is_contiguous(), "ctx_lens must be [S] int64");
-  const int64_t G = H / KV;
-  const int64_t* starts = q_start.data_ptr<int64_t>();
-  const int64_t* lens = ctx_lens.data_ptr<int64_t>();
-  const int64_t* table = tables.data_ptr<int64_t>();
-  TORCH_CHECK(starts[0] == 0 && starts[S] == T, "q_start must run from 0 to T");
-  const int64_t nb = k_cache.size(0);
-  TORCH_CHECK(k_cache.stride(0) == v_cache.stride(0), "k and v caches must share a block stride");
+  TORCH_CHECK(in.D % kKeys == 0 && in.D % 8 == 0, "head size must be a multiple of 8");
+  const int64_t T = in.T, H = in.H, D = in.D, BS = in.BS, KV = in.KV, G = in.G, S = in.S, W = in.W;
+  const int64_t *starts = in.starts, *lens = in.lens, *table = in.table;
 
   std::vector<Unit> units;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = starts[s + 1] - starts[s], ctx = lens[s];
-    TORCH_CHECK(n >= 1 && n <= ctx && ctx <= W * BS, "span ", s, ": rows and context length do not fit its table");
     TORCH_CHECK(ctx <= (1 << 24), "span ", s, ": a context of ", ctx, " keys is past this kernel's 2^24 (positions are compared as float32)");
-    for (int64_t b = 0; b < (ctx + BS - 1) / BS; ++b) {
-      const int64_t id = table[s * W + b];
-      TORCH_CHECK(id >= 0 && id < nb, "span ", s, ": block id ", id, " out of range");
-    }
     for (int64_t h = 0; h < KV; ++h)
       for (int64_t j = 0; j < n * G; j += row_tiles * kRows) {
         const int64_t rows = std::min<int64_t>(row_tiles * kRows, n * G - j);
