@@ -3,10 +3,10 @@
 // At 16 rows oneDNN's and MKL's GEMMs run a streamed weight at 6-9 GB/s, a third of what the
 // memory delivers, so a decode step's matmuls cost twice what reading the weights does. This
 // kernel reads W as it is stored ([N, K], row-major: each output's weights contiguous): a tile of
-// 3 outputs x 4 rows keeps 12 accumulators of 8 lanes along K (8 rows of 16 lanes with AVX-512),
-// so each 8-float piece of W is
-// loaded once per 4 rows and every x piece once per 3 outputs; one horizontal sum per output
-// and row at the end. The 3 weight rows of a tile (3 x 4 x K bytes) stay in L1 while every block
+// 3 outputs x 4 rows keeps 12 accumulators of 8 lanes along K, so each 8-float piece of W is
+// loaded once per 4 rows and every x piece once per 3 outputs (with AVX-512: 3 outputs x 8 rows
+// of 16 lanes, each piece of W loaded once per 8 rows); one horizontal sum per output and row at
+// the end. The 3 weight rows of a tile (3 x 4 x K bytes) stay in L1 while every block
 // of 4 rows passes over them, so W comes from memory once. Tiles of outputs are shared between
 // threads. No repacked copy of the weight is needed.
 
@@ -102,7 +102,6 @@ inline void tile16(const float* x, int64_t xs, const float* w, int64_t ws, int64
     for (int j = 0; j < 3; ++j) out[r * os + j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 #endif
-
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be float32 [M, K] with contiguous rows");
