@@ -196,6 +196,8 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       const int64_t s = unit.span, h = unit.kv_head, n = starts[s + 1] - starts[s], ctx = lens[s];
       const int64_t first = ctx - n;  // position of the span's row 0
       const int64_t* blocks = table + s * W;
+      // where key `key` of this span's head h lies in the K (or V) pool
+      const auto key_offset = [&](int64_t key) { return blocks[key / BS] * block_stride + ((key % BS) * KV + h) * D; };
       const int64_t ntiles = (unit.rows + kRows - 1) / kRows;
       // Q^T, scaled; padding rows (past the unit's rows) are zero and take the last row's position
       for (int64_t t = 0; t < ntiles; ++t) {
@@ -225,15 +227,16 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       float* st = scores.data();
       for (int64_t k0 = 0; k0 < unit.keys; k0 += kTile) {
         const int64_t tile_end = std::min<int64_t>(k0 + kTile, unit.keys);
-        for (int64_t key = k0; key < tile_end; ++key) {
-          const int64_t offset = blocks[key / BS] * block_stride + ((key % BS) * KV + h) * D;
-          krow[key - k0] = kp + offset;
-          vrow[key - k0] = vp + offset;
+        // keys past the unit's last row read a zero row: a key group may run past them, masked
+        for (int64_t i = 0; i < kTile; ++i) {
+          const int64_t key = k0 + i;
+          krow[i] = key < tile_end ? kp + key_offset(key) : zeros.data();
+          vrow[i] = key < tile_end ? vp + key_offset(key) : zeros.data();
         }
         // the next key tile's K/V toward L2 while this one computes (a layer's K/V lie in 12 KB
         // pieces far apart in the pool: -1.5 to -7 ms of a 64-row chunk's 55-64 ms over 30 layers)
         for (int64_t key = tile_end; key < std::min(unit.keys, tile_end + kTile); ++key) {
-          const int64_t offset = blocks[key / BS] * block_stride + ((key % BS) * KV + h) * D;
+          const int64_t offset = key_offset(key);
           for (int64_t d = 0; d < D; d += 16) {
             __builtin_prefetch(kp + offset + d, 0, 2);
             __builtin_prefetch(vp + offset + d, 0, 2);
@@ -243,9 +246,10 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         for (int64_t t = 0; t < ntiles; ++t) {
           RowTile& rt = tiles[t];
           if (k0 >= rt.keys) continue;  // a causal tile that ends before these keys
+          // whole key groups; keys past this tile's last row (real ones of a later row tile, or
+          // zero rows) lie after every row's position, so the mask below gives them weight 0
           const int64_t kt = std::min<int64_t>(tile_end, rt.keys) - k0;
           const int64_t padded = (kt + kKeys - 1) / kKeys * kKeys;
-          for (int64_t i = kt; i < padded; ++i) krow[i] = vrow[i] = zeros.data();
           for (int64_t i = 0; i < padded; i += kKeys) score_group(krow.data() + i, rt.qt.data(), D, st + i * kRows);
           if (k0 + padded - 1 > rt.first_pos)  // some key lies after some row's position
             for (int64_t i = 0; i < padded; ++i) {
@@ -276,12 +280,6 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const
             for (int64_t d = 0; d < D; ++d)
               for (int v = 0; v < kVecs; ++v) store(ot + d * kRows + v * kLanes, load(ot + d * kRows + v * kLanes) * alpha[v]);
           for (int64_t d0 = 0; d0 < D; d0 += kKeys) weigh_group(vrow.data(), st, padded, d0, ot);
-          for (int64_t i = kt; i < padded && k0 + i < tile_end; ++i) {  // restore what the padding replaced
-            const int64_t key = k0 + i;
-            const int64_t offset = blocks[key / BS] * block_stride + ((key % BS) * KV + h) * D;
-            krow[i] = kp + offset;
-            vrow[i] = vp + offset;
-          }
         }
       }
       for (int64_t t = 0; t < ntiles; ++t) {
