@@ -29,6 +29,8 @@ TIER_COUNTERS = {  # TierStats field → (metric suffix, help)
     "corrupt": ("corrupt_blocks", "Blocks found damaged or foreign, deleted and counted as misses"),
     "dropped": ("dropped_blocks", "Blocks not stored: back-pressure or a failed write"),
     "metadata_bytes": ("metadata_bytes", "Bytes describing blocks: keys, record headers, existence checks"),
+    "handovers": ("handovers", "Blocks moved between the device pool and the tier by trading rows, no bytes copied "
+                               "(a host tier sharing the pool's tensor on CPU)"),
 }
 
 

@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--redis-url", default=None,
                    help="also measure the remote tier on this Redis (default: start a private redis-server "
                         "on a free port when the binary exists; 'off' to skip)")
+    p.add_argument("--copy-host", action="store_true",
+                   help="give the host tier a slab of its own and copy blocks to and from the device, instead "
+                        "of sharing the device pool's tensor and trading rows (the default on CPU)")
     p.add_argument("--revisit", action="store_true", help="also run the 40-document revisit workload")
     p.add_argument("--docs", type=int, default=40, help="revisit: number of documents (default 40)")
     p.add_argument("--doc-tokens", type=int, default=1500, help="revisit: tokens per document (default 1500)")
@@ -79,6 +82,7 @@ class Bench:
 
     def new_core(self, num_blocks: int = 1024) -> EngineCore:
         return EngineCore(EngineConfig(model=self.args.model, host_cache_mb=self.args.host_mb,
+                                       share_host_slab=not self.args.copy_host,
                                        disk_cache_path=self.disk_dir, num_blocks=num_blocks,
                                        remote_cache_url=self.args.redis_url, remote_timeout_s=5.0))
 
@@ -105,15 +109,7 @@ class Bench:
 
     def drop_device(self) -> int:
         """Demote every idle cached device block to the next tier and forget it on the device."""
-        core = self.core
-        pool = core.manager.pool
-        moved = 0
-        for block_hash, block in pool.cached_blocks():
-            if block.ref_cnt == 0:
-                core.chain.demote(block_hash, core.storage.block_view(block.block_id))
-                moved += 1
-        pool.evict_all_cached()
-        return moved
+        return self.core.spill_device()
 
     def drop_host_to_disk(self) -> None:
         chain = self.core.chain
@@ -154,6 +150,7 @@ def tier_section(bench: Bench) -> dict[str, Any]:
                 s = core.chain.host.stats
                 row["load_s"] = s.read_time_s - host0["read_time_s"]
                 row["load_bytes"] = s.bytes_read - host0["bytes_read"]
+                row["handovers"] = s.handovers - host0["handovers"]
             if tier == "disk":  # reads overlap: the rate is bytes over the batch's wall time
                 s = core.chain.disk.stats
                 row["load_s"] = core.chain.stats.prefetch_wait_s - wait0
@@ -202,10 +199,13 @@ def tier_section(bench: Bench) -> dict[str, Any]:
     if core.chain.remote is not None:
         redis_bps, redis_one_bps, redis_py_bps = redis_ceilings(args.redis_url, nblocks, core.chain.remote.fmt.record_size)
     med = {tier: statistics.median(r["ttft_s"] for r in rows) for tier, rows in results.items()}
-    host_bps = statistics.median(r["load_bytes"] / r["load_s"] for r in results["host"] if r.get("load_s"))
+    copied = [r["load_bytes"] / r["load_s"] for r in results["host"] if r.get("load_s") and r["load_bytes"]]
+    host_bps = statistics.median(copied) if copied else None  # None: rows traded, nothing copied
     disk_bps = statistics.median(r["load_bytes"] / r["load_s"] for r in results["disk"] if r.get("load_s"))
     return {"raw": results, "ttft_median_s": med, "speedup_vs_recompute": {t: med["recompute"] / v for t, v in med.items()},
             "host_load_bytes_per_s": host_bps, "disk_load_bytes_per_s": disk_bps,
+            "host_handovers": statistics.median(r.get("handovers", 0) for r in results["host"]),
+            "host_shares_the_slab": bool(core.chain.host.shared),
             "memcpy_bytes_per_s": memcpy_bps, "file_read_bytes_per_s": read_bps,
             "file_read_discarding_bytes_per_s": discard_bps, "redis_get_bytes_per_s": redis_bps,
             "redis_get_one_pipeline_bytes_per_s": redis_one_bps,
@@ -334,8 +334,12 @@ def print_tables(out: dict[str, Any]) -> None:
         print(f"| {tier} | {med[tier] * 1000:.1f} ms | {speed[tier]:.1f}× |")
     print("\n| tier load | rate | ceiling (same bytes, same run) | share |")
     print("|---|---:|---:|---:|")
-    print(f"| host → device | {t['host_load_bytes_per_s'] / 1e9:.2f} GB/s | memcpy {t['memcpy_bytes_per_s'] / 1e9:.2f} GB/s "
-          f"| {t['host_load_bytes_per_s'] / t['memcpy_bytes_per_s']:.0%} |")
+    if t["host_load_bytes_per_s"] is None:
+        print(f"| host → device | {t['host_handovers']:.0f} blocks handed over, 0 bytes copied (one slab) "
+              f"| memcpy {t['memcpy_bytes_per_s'] / 1e9:.2f} GB/s | — |")
+    else:
+        print(f"| host → device | {t['host_load_bytes_per_s'] / 1e9:.2f} GB/s | memcpy {t['memcpy_bytes_per_s'] / 1e9:.2f} GB/s "
+              f"| {t['host_load_bytes_per_s'] / t['memcpy_bytes_per_s']:.0%} |")
     print(f"| disk → host | {t['disk_load_bytes_per_s'] / 1e9:.2f} GB/s | plain read of the files into memory "
           f"{t['file_read_bytes_per_s'] / 1e9:.2f} GB/s (into one reused buffer "
           f"{t['file_read_discarding_bytes_per_s'] / 1e9:.2f} GB/s) "

@@ -30,6 +30,13 @@ class Block:
     block_hash: BlockHash | None = None
     cached_at: float = 0.0
     hits: int = 0
+    # the KVStorage row holding its KV; it starts as block_id and changes only while the block is
+    # idle, when a host tier sharing the storage trades rows with it (cache.tiers.host)
+    slot: int = -1
+
+    def __post_init__(self) -> None:
+        if self.slot < 0:
+            self.slot = self.block_id
 
 
 @dataclass(slots=True)

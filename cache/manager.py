@@ -63,6 +63,10 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._tables.get(request_id, ())]
 
+    def rows(self, request_id: str) -> list[int]:
+        """The KV storage rows of a request's blocks, in order: its block table for attention."""
+        return [b.slot for b in self._tables.get(request_id, ())]
+
     def reusable_hashes(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> Sequence[BlockHash]:
         """The hashes of a prompt's blocks that a cache may supply: every full block, except that
         the last token is always computed (the model must produce its logits)."""

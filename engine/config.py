@@ -36,6 +36,9 @@ class EngineConfig:
     disk_cache_path: str | None = None
     disk_cache_mb: int = 10240
     tier_policy: str = "lru"  # lru | s3fifo, for host and disk
+    # CPU: the host tier keeps its blocks in spare rows of the device pool's tensor and moves them
+    # to and from the device by trading rows, not copying (docs/tiers.md, "One slab on CPU")
+    share_host_slab: bool = True
     flush_on_shutdown_s: float = 10.0  # write device and host blocks to disk when stopping
     remote_cache_url: str | None = None  # redis:// or rediss://
     remote_cluster: bool = False

@@ -93,7 +93,11 @@ class EngineCore:
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, config.block_size, config.num_blocks)
         self.storage = KVStorage(
             config.num_blocks, self.loaded.num_layers, config.block_size, self.loaded.num_kv_heads,
-            self.loaded.head_dim, dtype=self.loaded.dtype, device=self.loaded.device)
+            self.loaded.head_dim, dtype=self.loaded.dtype, device=self.loaded.device,
+            spare_rows=self._host_rows(config))
+        # storage rows no block and no host tier owns: what a host tier sharing the slab takes
+        self._spare_rows = list(self.storage.spare())
+        self._orphan_rows: set[int] = set()  # rows a detached host tier's disk reads were filling
         self.fingerprint = model_fingerprint(self.loaded.model, config.dtype, config.block_size,
                                              self.loaded.kv_shape)
         if config.pack_weights:
@@ -126,6 +130,14 @@ class EngineCore:
         self._rows: dict[str, SamplingRow] = {}
         logger.info("engine ready", extra={"model": self.loaded.name, "kv_pool_mb": self.storage.nbytes >> 20,
                                             "num_blocks": config.num_blocks, "block_size": config.block_size})
+
+    def _host_rows(self, config: EngineConfig) -> int:
+        """Rows to add to the KV tensor for a host tier sharing it (CPU, host tier on), else 0."""
+        if not config.share_host_slab or config.host_cache_mb <= 0 or self.loaded.device.type != "cpu":
+            return 0
+        layers, kv_heads, head_dim = self.loaded.kv_shape
+        block_nbytes = layers * 2 * config.block_size * kv_heads * head_dim * self.loaded.dtype.itemsize
+        return (config.host_cache_mb << 20) // block_nbytes
 
     def _native_ops(self, config: EngineConfig) -> Any:
         """The native CPU ops where they apply (CPU, float32), built on first use."""
@@ -172,6 +184,11 @@ class EngineCore:
         if name in ("host", "disk") and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0):
             raise ValueError(f"capacity_mb must be a positive integer, got {capacity!r}")
         if name == "host":
+            rows = (capacity << 20) // self.storage.block_nbytes
+            if 0 < rows <= len(self._spare_rows):  # room in the pool's own tensor: trade rows, copy nothing
+                taken, self._spare_rows = self._spare_rows[:rows], self._spare_rows[rows:]
+                return HostTier(capacity << 20, self.storage.block_nbytes, config.tier_policy,
+                                slab=self.storage.slab(), rows=taken)
             return HostTier(capacity << 20, self.storage.block_nbytes, config.tier_policy,
                             pin=self.storage.device.type == "cuda")
         fmt = self.block_format
@@ -205,7 +222,11 @@ class EngineCore:
         if action == "detach":
             if getattr(chain, name) is None:
                 raise ValueError(f"the {name} tier is not attached")
+            tier = getattr(chain, name)
             chain.detach(name, self.config.flush_on_shutdown_s)
+            if name == "host" and tier.shared:  # its rows wait for the next host tier
+                self._spare_rows += sorted(tier.rows() - tier.reserved_rows())
+                self._orphan_rows |= tier.reserved_rows()  # (the detached tier's reads still write there)
         else:
             if getattr(chain, name) is not None:
                 raise ValueError(f"the {name} tier is already attached; detach it first")
@@ -239,7 +260,9 @@ class EngineCore:
     def _demote(self, block: Any, block_hash: bytes) -> None:
         assert self.chain is not None
         owner = self.manager.pool.ledger.owner_of(block_hash) or UNKNOWN
-        self.chain.demote(block_hash, self.storage.block_view(block.block_id), owner)
+        row = self.chain.demote(block_hash, self.storage.block_view(block.slot), owner, block.slot)
+        if row is not None:  # the host tier kept the block's row and gave it one of its own
+            block.slot = row
 
     def _promote(self, seq: Sequence) -> int:
         t0 = time.perf_counter()
@@ -253,7 +276,12 @@ class EngineCore:
 
     def _load_block(self, block_hash: bytes, block_id: int) -> bool:
         assert self.chain is not None
-        return self.chain.load(block_hash, self.storage.block_view(block_id))
+        block = self.manager.pool.blocks[block_id]
+        row = self.chain.take(block_hash, block.slot)
+        if row is not None:  # the host tier handed over the row holding it: nothing copied
+            block.slot = row
+            return True
+        return self.chain.load(block_hash, self.storage.block_view(block.slot))
 
     def _start_prefetch(self, request_id: str, seq: Sequence) -> bool:
         """If the prompt's prefix continues on disk, start loading it; True = the request waits."""
@@ -278,7 +306,7 @@ class EngineCore:
             for i, block in enumerate(self.manager.blocks(s.seq.seq_id)[lo:hi], lo):
                 if block.block_hash is not None:
                     owner = PUBLIC if i < s.seq.public_blocks else s.seq.tenant
-                    by_owner.setdefault(owner, []).append((block.block_hash, self.storage.read_block(block.block_id)))
+                    by_owner.setdefault(owner, []).append((block.block_hash, self.storage.read_block(block.slot)))
         for owner, items in by_owner.items():
             self.chain.write_remote(items, owner)
 
@@ -314,6 +342,30 @@ class EngineCore:
     def is_loading(self) -> bool:
         return bool(self._loading)
 
+    def spill_device(self) -> int:
+        """Demote every idle cached device block to the tiers below and forget it on the device
+        (as if other traffic had flushed the pool); returns how many blocks left."""
+        pool = self.manager.pool
+        idle = [(h, b) for h, b in pool.cached_blocks() if b.ref_cnt == 0]
+        if self.chain is not None:
+            for block_hash, block in idle:
+                self._demote(block, block_hash)
+        pool.evict_all_cached()
+        return len(idle)
+
+    def check_invariants(self) -> None:
+        """Assert the block accounting (tests call it): the manager's, the host tier's, and that
+        every KV storage row has exactly one owner — a device block, the host tier, or the spare
+        list (rows a detached host tier's reads still fill excepted)."""
+        self.manager.check_invariants()
+        host = self.chain.host if self.chain is not None else None
+        if host is not None:
+            host.check_invariants()
+        owners = [b.slot for b in self.manager.pool.blocks] + self._spare_rows + sorted(self._orphan_rows)
+        if host is not None and host.shared:
+            owners += sorted(host.rows())
+        assert sorted(owners) == list(range(self.storage.num_rows)), "a storage row has no owner or two"
+
     def close(self) -> None:
         """Write what the device and host hold to disk (bounded in time), then stop the I/O."""
         chain = self.chain
@@ -322,7 +374,7 @@ class EngineCore:
         if chain.disk is not None and self.config.flush_on_shutdown_s > 0:
             storage = self.storage
             ledger = self.manager.pool.ledger
-            blocks = [(h, lambda b=b: storage.read_block(b.block_id), ledger.owner_of(h) or UNKNOWN)
+            blocks = [(h, lambda b=b: storage.read_block(b.slot), ledger.owner_of(h) or UNKNOWN)
                       for h, b in self.manager.pool.cached_blocks()]
             written = chain.flush(blocks, self.config.flush_on_shutdown_s)
             chain.drain_writes(self.config.flush_on_shutdown_s)
@@ -443,7 +495,7 @@ class EngineCore:
             self._book_admissions(plan.scheduled, t_step, self.manager.stats.lookup_time_s - lookups_before)
         work = sorted(plan.scheduled, key=lambda s: s.num_new != 1)
         token_ids = [s.seq.token_ids[s.start : s.start + s.num_new] for s in work]
-        tables = [self.manager.block_ids(s.seq.seq_id) for s in work]
+        tables = [self.manager.rows(s.seq.seq_id) for s in work]
         sample_rows = [i for i, s in enumerate(work) if s.samples]
         t_fwd = time.perf_counter()
         logits = self.runner.execute(token_ids, [s.start for s in work], tables, sample_rows)

@@ -194,14 +194,27 @@ class TierChain:
         return self.remote is not None and self.remote_write == "through"
 
     # ---- demotion (step loop) -----------------------------------------------------------------
-    def demote(self, key: bytes, src: torch.Tensor, owner: str = UNKNOWN) -> None:
-        """A device block of ``owner`` is being evicted: keep its bytes in the next tier down."""
+    def demote(self, key: bytes, src: torch.Tensor, owner: str = UNKNOWN, row: int | None = None) -> int | None:
+        """A device block of ``owner`` is being evicted: keep its bytes in the next tier down.
+
+        ``row``: the pool row holding it. When the host tier shares the pool's slab it takes that
+        row instead of a copy, and the return value is the row the pool block uses from now on
+        (None: the block keeps its own row)."""
         self.stats.demotions += 1
-        if self.host is not None:
-            for victim, payload, victim_owner in self.host.put(key, src, owner):
+        host = self.host
+        if host is not None and host.shared and row is not None:
+            traded = host.adopt(key, row, owner)
+            if traded is not None:
+                spare, evicted = traded
+                for victim, payload, victim_owner in evicted:
+                    self._write(victim, payload, victim_owner)
+                return spare
+        if host is not None:
+            for victim, payload, victim_owner in host.put(key, src, owner):
                 self._write(victim, payload, victim_owner)
         elif self.disk is not None or self.remote is not None:
             self._write(key, src.cpu().numpy().tobytes(), owner)
+        return None
 
     def _write(self, key: bytes, payload: bytes, owner: str = UNKNOWN) -> None:
         """A block leaves host memory: to disk, and to the remote tier when it writes back."""
@@ -272,6 +285,17 @@ class TierChain:
             self.stats.promotions += 1
             return True
         return False
+
+    def take(self, key: bytes, row: int) -> int | None:
+        """Promote a host block without a copy (a host tier sharing the pool's slab): returns the
+        row that holds it, which the pool block uses from now on (its old ``row`` goes to the
+        host); None if the host has no such block (then `load` copies a staged one, if any)."""
+        host = self.host
+        if host is None or not host.shared or key not in host:
+            return None
+        held = host.surrender(key, row)
+        self.stats.promotions += 1
+        return held
 
     def on_lower_tier(self, key: bytes) -> bool:
         return (self.host is not None and key in self.host) or key in self._staged
@@ -615,6 +639,8 @@ class TierChain:
         for tier in (self.host, self.disk):
             if tier is not None:
                 out[tier.name]["quota"] = tier.ledger.snapshot()
+        if self.host is not None:
+            out["host"]["shares_device_slab"] = self.host.shared
         if self.disk is not None:
             out["disk"]["path"] = str(self.disk.dir)
         if self.remote is not None:

@@ -6,12 +6,19 @@ tier or the remote tier loaded are read straight into slots the loop reserved fo
 (`reserve`, then `commit` or `release`), or copied in from the buffers they arrived in. When
 full, the eviction policy picks a victim whose bytes are returned to the caller, who passes
 them down the chain.
+
+On CPU the slab can be the device pool's own tensor (`KVStorage.slab`): the tier then owns some
+of its rows, and a block moves between the device and this tier by trading rows instead of
+copying bytes — `adopt` (a demotion: the tier takes the evicted block's row and hands back one of
+its free rows) and `surrender` (a promotion: it gives the block's row to the device block and
+takes that block's old row as a free one). Either way every row has exactly one owner, the pool
+or this tier, and the tier's capacity in rows never changes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy
 import torch
@@ -25,15 +32,25 @@ from cache.tiers.stats import RateEstimate, TierStats
 class HostTier:
     name = "host"
 
-    def __init__(self, capacity_bytes: int, block_nbytes: int, policy: str = "lru", pin: bool = False) -> None:
+    def __init__(self, capacity_bytes: int, block_nbytes: int, policy: str = "lru", pin: bool = False,
+                 slab: torch.Tensor | None = None, rows: Sequence[int] = ()) -> None:
+        """A slab of ``capacity_bytes`` of its own, or (``slab`` given: [n, block_nbytes] uint8, the
+        device pool's rows) the ``rows`` of that slab, which the tier then trades with the pool."""
         self.block_nbytes = block_nbytes
-        self.capacity_blocks = capacity_bytes // block_nbytes
+        self.shared = slab is not None
+        self.capacity_blocks = len(rows) if slab is not None else capacity_bytes // block_nbytes
         if self.capacity_blocks <= 0:
             raise ValueError(f"host tier of {capacity_bytes} bytes holds no block of {block_nbytes} bytes")
-        # torch.empty reserves address space; pages are touched only as slots fill up
-        self.slots = torch.empty((self.capacity_blocks, block_nbytes), dtype=torch.uint8, pin_memory=pin)
+        if slab is not None:
+            if slab.dtype != torch.uint8 or slab.dim() != 2 or slab.shape[1] != block_nbytes:
+                raise ValueError(f"a shared slab must be [rows, {block_nbytes}] uint8, got {tuple(slab.shape)} {slab.dtype}")
+            self.slots = slab
+            self._free = list(reversed(rows))
+        else:
+            # torch.empty reserves address space; pages are touched only as slots fill up
+            self.slots = torch.empty((self.capacity_blocks, block_nbytes), dtype=torch.uint8, pin_memory=pin)
+            self._free = list(range(self.capacity_blocks - 1, -1, -1))
         self._index: dict[bytes, int] = {}
-        self._free = list(range(self.capacity_blocks - 1, -1, -1))
         self._reserved: set[int] = set()  # slots a disk read is filling (see `reserve`)
         self.policy = make_policy(policy, self.capacity_blocks)
         self.policy_name = policy
@@ -114,15 +131,19 @@ class HostTier:
         self._index_slot(key, slot, owner)
         return evicted
 
-    def _index_slot(self, key: bytes, slot: int, owner: str) -> None:
-        """``slot`` now holds ``key``'s block for ``owner``: index it and count the write."""
+    def _index_slot(self, key: bytes, slot: int, owner: str, copied: bool = True) -> None:
+        """``slot`` now holds ``key``'s block for ``owner``: index it and count the write (bytes
+        only when they were ``copied`` in; a row taken from the pool is a handover)."""
         self._index[key] = slot
         self.policy.insert(key)
         self.ledger.add(key, owner)
         self.life.inserted(key)
         self.stats.puts += 1
-        self.stats.writes += 1
-        self.stats.bytes_written += self.block_nbytes
+        if copied:
+            self.stats.writes += 1
+            self.stats.bytes_written += self.block_nbytes
+        else:
+            self.stats.handovers += 1
 
     def release(self, slot: int) -> None:
         """A reserved slot was not filled (the read failed): free it."""
@@ -147,6 +168,48 @@ class HostTier:
         self.stats.read_time_s += elapsed
         self.stats.bytes_read += self.block_nbytes
         return True
+
+    # ---- trading rows with the device pool (shared slab only) ---------------------------------
+    def adopt(self, key: bytes, row: int, owner: str = UNKNOWN) -> tuple[int, list[tuple[bytes, bytes, str]]] | None:
+        """A demotion without a copy: ``row`` (a pool row) holds ``key``'s block for ``owner``. The
+        tier keeps that row and returns (the row the pool takes instead, blocks evicted to free
+        it). A key already here is only touched, and the pool keeps its row. None when the block
+        cannot come in this way (``owner`` may hold no host block, every row is reserved by disk
+        reads): `put` then passes it on as bytes."""
+        assert self.shared, "adopt needs a slab shared with the device pool"
+        if key in self._index:
+            self.touch(key)
+            return row, []
+        if not self.ledger.admits(owner) or not self._free and not self._index:
+            return None
+        evicted = [self._evict_one(owner)] if not self._free or self.ledger.at_quota(owner) else []
+        spare = self._free.pop()
+        self._index_slot(key, row, owner, copied=False)
+        return spare, evicted
+
+    def surrender(self, key: bytes, row: int) -> int | None:
+        """A promotion without a copy: the row holding ``key``'s block goes to the pool, and
+        ``row`` (the pool block's old row) becomes a free row of the tier. The block leaves this
+        tier — the device holds it now, and demotes it again when evicting it. None on a miss."""
+        assert self.shared, "surrender needs a slab shared with the device pool"
+        held = self._index.get(key)
+        if held is None:
+            self.stats.misses += 1
+            return None
+        self.life.accessed(key)
+        self.stats.hits += 1
+        self.stats.handovers += 1
+        self.delete(key)
+        self._free[-1] = row  # (delete freed `held` last: the pool's old row takes its place)
+        return held
+
+    def rows(self) -> set[int]:
+        """Every row the tier owns (indexed, free, or reserved by a read)."""
+        return set(self._index.values()) | set(self._free) | self._reserved
+
+    def reserved_rows(self) -> set[int]:
+        """Rows a disk or remote read is filling (see `reserve`)."""
+        return set(self._reserved)
 
     def payload(self, key: bytes) -> bytes | None:
         slot = self._index.get(key)
@@ -184,6 +247,7 @@ class HostTier:
         assert len(self._index) + len(self._free) + len(self._reserved) == self.capacity_blocks
         assert not self._reserved & set(self._free) and not self._reserved & set(self._index.values())
         assert len(set(self._index.values())) == len(self._index)
+        assert len(set(self._free)) == len(self._free)
         assert not set(self._index.values()) & set(self._free)
         assert len(self.policy) == len(self._index), (len(self.policy), len(self._index))
         assert len(self.ledger) == len(self._index), (len(self.ledger), len(self._index))

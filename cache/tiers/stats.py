@@ -21,6 +21,7 @@ class TierStats:
     corrupt: int = 0
     dropped: int = 0
     metadata_bytes: int = 0  # keys, record headers, existence checks: bytes that describe blocks
+    handovers: int = 0  # blocks moved to or from the device by trading rows: no bytes copied (host on CPU)
 
     def snapshot(self) -> dict[str, float]:
         return asdict(self)

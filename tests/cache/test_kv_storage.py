@@ -154,3 +154,25 @@ def test_write_block_shows_through_the_views() -> None:
     for layer in range(LAYERS):
         assert torch.equal(s.keys(layer)[1], s.kv[0, layer, 0])
         assert torch.equal(s.values(layer)[1], s.kv[0, layer, 1])
+
+
+def test_spare_rows_extend_the_tensor_for_a_host_tier_sharing_it() -> None:
+    storage = KVStorage(NUM_BLOCKS, LAYERS, BLOCK, HEADS, DIM, spare_rows=2)
+    assert storage.num_blocks == NUM_BLOCKS and storage.num_rows == NUM_BLOCKS + 2
+    assert storage.nbytes == NUM_BLOCKS * storage.block_nbytes  # the pool's bytes; spare rows are the host's
+    assert list(storage.spare()) == [3, 4]
+    assert storage.keys(1).shape[0] == NUM_BLOCKS + 2  # attention indexes any row
+    assert torch.count_nonzero(storage.kv[:NUM_BLOCKS]) == 0
+    slab = storage.slab()
+    assert slab.shape == (NUM_BLOCKS + 2, storage.block_nbytes) and slab.dtype == torch.uint8
+    fill(storage, 4, seed=9)
+    assert torch.equal(slab[4], bits(storage.kv[4]).reshape(-1))  # a view: the host tier sees the pool's writes
+    slab[0].copy_(slab[4])
+    assert torch.equal(bits(storage.kv[0]), bits(storage.kv[4]))
+
+
+def test_spare_rows_only_on_cpu() -> None:
+    with pytest.raises(ValueError, match="only on CPU"):
+        KVStorage(NUM_BLOCKS, LAYERS, BLOCK, HEADS, DIM, device="cuda", spare_rows=1)
+    with pytest.raises(ValueError, match="only on CPU"):
+        KVStorage(NUM_BLOCKS, LAYERS, BLOCK, HEADS, DIM, spare_rows=-1)

@@ -274,3 +274,153 @@ def test_reserve_respects_a_zero_quota_and_commit_the_quota() -> None:
     evicted = tier.commit(key(2), second[0], "u")  # at its quota: its own block leaves
     assert [e[0] for e in evicted] == [key(1)] and key(2) in tier and key(1) not in tier
     tier.check_invariants()
+
+
+# ---- a host tier sharing the device pool's slab: blocks move by trading rows ---------------------
+
+def shared_tier(pool_rows: int, host_rows: int, policy: str = "lru") -> tuple[HostTier, torch.Tensor]:
+    slab = torch.zeros((pool_rows + host_rows, NB), dtype=torch.uint8)
+    return HostTier(0, NB, policy, slab=slab, rows=range(pool_rows, pool_rows + host_rows)), slab
+
+
+def test_a_shared_tier_takes_and_gives_rows_without_copying() -> None:
+    tier, slab = shared_tier(2, 3)
+    assert tier.shared and tier.capacity_blocks == 3 and tier.rows() == {2, 3, 4}
+    slab[0] = block(1)
+    got = tier.adopt(key(1), 0)
+    assert got is not None
+    spare, evicted = got
+    assert evicted == [] and spare in (2, 3, 4) and tier.rows() == {0, 2, 3, 4} - {spare}
+    assert tier.payload(key(1)) == block(1).numpy().tobytes()  # the very row the pool wrote
+    assert (tier.stats.handovers, tier.stats.bytes_written, tier.stats.puts) == (1, 0, 1)
+    assert tier.adopt(key(1), 1) == (1, [])  # already here: the pool keeps its own row
+    held = tier.surrender(key(1), spare)
+    assert held == 0 and key(1) not in tier and tier.rows() == {2, 3, 4}
+    assert (tier.stats.hits, tier.stats.handovers, tier.stats.bytes_read) == (1, 2, 0)
+    assert tier.surrender(key(1), 5) is None  # a miss: nothing traded
+    tier.check_invariants()
+
+
+def test_a_full_shared_tier_evicts_the_victims_bytes_for_the_row_it_gives() -> None:
+    tier, slab = shared_tier(4, 2)
+    for i in range(3):
+        slab[i] = block(i)
+    rows = {}
+    for i in range(3):
+        got = tier.adopt(key(i), i)
+        assert got is not None
+        rows[i] = got[0]
+        if i < 2:
+            assert got[1] == []
+        else:  # the least recently used block leaves as bytes; its row goes to the pool
+            assert got[1] == [(key(0), block(0).numpy().tobytes(), "")] and got[0] == 0
+    assert len(tier) == 2 and tier.rows() == {1, 2}
+    tier.check_invariants()
+
+
+def test_a_shared_tier_refuses_what_it_may_not_hold() -> None:
+    tier, _ = shared_tier(1, 2)
+    tier.ledger.set_limit("t", 0)
+    assert tier.adopt(key(1), 0, "t") is None  # no host quota: `put` passes it on as bytes
+    assert tier.reserve() is not None and tier.reserve() is not None
+    assert tier.adopt(key(2), 0) is None  # every row is being filled by a read
+    tier.check_invariants()
+
+
+def test_a_shared_slab_must_fit_the_blocks() -> None:
+    with pytest.raises(ValueError, match="must be"):
+        HostTier(0, NB, slab=torch.zeros((4, NB + 1), dtype=torch.uint8), rows=[0, 1])
+    with pytest.raises(ValueError, match="holds no block"):
+        HostTier(0, NB, slab=torch.zeros((4, NB), dtype=torch.uint8), rows=[])
+
+
+class SharedHostMachine(RuleBasedStateMachine):
+    """A pool of rows and a shared host tier trading them: demotions, promotions, copies in,
+    reads into reserved rows. Every row has exactly one owner, and every block's bytes are where
+    the pool or the tier says."""
+
+    @initialize(policy=st.sampled_from(["lru", "s3fifo"]), pool=st.integers(1, 4), host=st.integers(1, 5))
+    def setup(self, policy: str, pool: int, host: int) -> None:
+        self.tier, self.slab = shared_tier(pool, host, policy)
+        self.pool = {b: b for b in range(pool)}  # pool block → its row
+        self.pool_holds: dict[int, bytes] = {}  # pool block → key of the block in it
+        self.shadow: dict[bytes, bytes] = {}  # what the tier must hold
+        self.reserved: list[int] = []
+
+    def _bytes(self, k: bytes) -> bytes:
+        return block(k[-1]).numpy().tobytes()
+
+    @rule(b=st.integers(0, 3), i=st.integers(0, 7))
+    def compute(self, b: int, i: int) -> None:
+        """A pool block gets new KV (its old block was demoted first)."""
+        if b not in self.pool:
+            return
+        self.demote(b)
+        self.slab[self.pool[b]] = block(i)
+        self.pool_holds[b] = key(i)
+
+    @rule(b=st.integers(0, 3))
+    def demote(self, b: int) -> None:
+        k = self.pool_holds.pop(b, None)
+        if b not in self.pool or k is None:
+            return
+        got = self.tier.adopt(k, self.pool[b])
+        if got is None:  # (every row reserved) it passes through as bytes
+            assert all(r in self.reserved for r in self.tier.rows())
+            return
+        self.pool[b], evicted = got
+        for victim, payload, _ in evicted:
+            assert payload == self.shadow.pop(victim)
+        self.shadow[k] = self._bytes(k)
+
+    @rule(b=st.integers(0, 3), i=st.integers(0, 7))
+    def promote(self, b: int, i: int) -> None:
+        if b not in self.pool:
+            return
+        self.demote(b)
+        held = self.tier.surrender(key(i), self.pool[b])
+        assert (held is None) == (key(i) not in self.shadow)
+        if held is not None:
+            self.pool[b] = held
+            self.pool_holds[b] = key(i)
+            del self.shadow[key(i)]
+
+    @rule(i=st.integers(0, 7))
+    def put(self, i: int) -> None:
+        for victim, payload, _ in self.tier.put(key(i), block(i)):
+            if victim != key(i):
+                assert payload == self.shadow.pop(victim)
+            else:
+                return
+        self.shadow[key(i)] = self._bytes(key(i))
+
+    @rule(i=st.integers(0, 7), fail=st.booleans())
+    def read(self, i: int, fail: bool) -> None:
+        got = self.tier.reserve()
+        if got is None:
+            return
+        row, view, evicted = got
+        for victim, payload, _ in evicted:
+            assert payload == self.shadow.pop(victim)
+        if fail:
+            self.tier.release(row)
+            return
+        view[:] = self._bytes(key(i))
+        for victim, payload, _ in self.tier.commit(key(i), row):
+            assert payload == self.shadow.pop(victim)
+        self.shadow[key(i)] = self._bytes(key(i))
+
+    @invariant()
+    def consistent(self) -> None:
+        self.tier.check_invariants()
+        owners = sorted([*self.pool.values(), *self.tier.rows()])
+        assert owners == list(range(self.slab.shape[0]))
+        assert set(self.tier.keys()) == set(self.shadow)
+        for k, payload in self.shadow.items():
+            assert self.tier.payload(k) == payload
+        for b, k in self.pool_holds.items():
+            assert self.slab[self.pool[b]].numpy().tobytes() == self._bytes(k)
+
+
+SharedHostMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestSharedHostMachine = SharedHostMachine.TestCase

@@ -63,22 +63,56 @@ def on_device(core: EngineCore, ids: list[int]) -> bool:
     return core.manager.pool.get_cached_block(hashes[0]) is not None
 
 
-def test_an_evicted_prefix_comes_back_from_host(tiny_model_dir: Path) -> None:
-    core = make_engine(tiny_model_dir)
+@pytest.mark.parametrize("share", [True, False], ids=["host-shares-the-slab", "host-copies"])
+def test_an_evicted_prefix_comes_back_from_host(tiny_model_dir: Path, share: bool) -> None:
+    core = make_engine(tiny_model_dir, share_host_slab=share)
     try:
+        assert core.chain.host.shared == share
         a = prompt(1)
         cold, cached = run(core, "a1", a)
         assert cached == 0
         flood(core, 1)
         assert not on_device(core, a)
+        host0 = dict(core.stats()["tiers"]["host"])
         warm, cached = run(core, "a2", a)
         assert warm == cold
         assert cached == 120  # every full block of the prompt, from host
         tiers = core.stats()["tiers"]
         assert tiers["host"]["hits"] >= 30 and tiers["chain"]["promotions"] >= 30
         assert core.stats()["promoted_blocks"] >= 30
-        core.manager.pool.check_invariants()
-        core.chain.host.check_invariants()
+        copied = tiers["host"]["bytes_read"] - host0["bytes_read"]
+        handed = tiers["host"]["handovers"] - host0["handovers"]
+        if share:  # on CPU the host tier's rows are the pool's: a promotion trades rows, copies nothing
+            assert copied == 0 and handed >= 30
+        else:
+            assert copied >= 30 * core.storage.block_nbytes and handed == 0
+        core.check_invariants()
+    finally:
+        core.close()
+
+
+def test_a_shared_host_tier_detached_and_attached_again_reuses_its_rows(tiny_model_dir: Path) -> None:
+    core = make_engine(tiny_model_dir)
+    try:
+        a, b = prompt(11), prompt(12)
+        cold_a, _ = run(core, "a1", a)
+        cold_b, _ = run(core, "b1", b)
+        flood(core, 11)  # both prefixes now live in the host tier's rows
+        rows = core.chain.host.rows()
+        core.configure_tier("detach", "host")
+        core.check_invariants()
+        assert run(core, "a2", a) == (cold_a, 0)  # gone with the tier: recomputed, same tokens
+        core.configure_tier("attach", "host")
+        assert core.chain.host.shared and core.chain.host.rows() == rows and len(core.chain.host) == 0
+        flood(core, 12)
+        assert run(core, "a3", a) == (cold_a, 120)  # demoted into the reattached tier's rows, back again
+        assert run(core, "b2", b)[0] == cold_b
+        core.configure_tier("detach", "host")
+        core.configure_tier("attach", "host", {"capacity_mb": 2})  # more rows than the tensor spares
+        assert not core.chain.host.shared
+        flood(core, 13)
+        assert run(core, "a4", a) == (cold_a, 120)
+        core.check_invariants()
     finally:
         core.close()
 

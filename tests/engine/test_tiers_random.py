@@ -8,6 +8,7 @@ import random
 import time
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -45,10 +46,9 @@ def _run(core: EngineCore, rid: str, ids: list[int], abort_after: int | None = N
 
 
 def _check(core: EngineCore) -> None:
-    core.manager.check_invariants()
+    core.check_invariants()  # the manager's, the host tier's, and one owner per storage row
     chain = core.chain
     if chain.host is not None:
-        chain.host.check_invariants()
         assert len(chain.host) <= chain.host.capacity_blocks
     if chain.disk is not None:
         chain.drain_writes(10)
@@ -60,13 +60,14 @@ ops = st.lists(st.tuples(st.sampled_from(["request", "abort", "flood", "flush_ho
                          st.integers(0, 3), st.integers(1, 20)), min_size=4, max_size=12)
 
 
+@pytest.mark.parametrize("share", [True, False], ids=["host-shares-the-slab", "host-copies"])
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops)
 def test_random_workload_keeps_the_chain_consistent_and_outputs_exact(tiny_model_dir: Path, tmp_path_factory,
-                                                                       script) -> None:
+                                                                       share: bool, script) -> None:
     disk = tmp_path_factory.mktemp("kv")
     reference = _engine(tiny_model_dir, None, host_mb=0, enable_prefix_caching=False)
-    core = _engine(tiny_model_dir, disk)
+    core = _engine(tiny_model_dir, disk, share_host_slab=share)
     expected: dict[tuple[int, int], list[int]] = {}
     try:
         for n, (op, which, extra) in enumerate(script):
@@ -85,7 +86,7 @@ def test_random_workload_keeps_the_chain_consistent_and_outputs_exact(tiny_model
                 core.chain.host.clear()
             elif op == "restart":
                 core.close()
-                core = _engine(tiny_model_dir, disk)
+                core = _engine(tiny_model_dir, disk, share_host_slab=share)
             _check(core)
     finally:
         core.close()
