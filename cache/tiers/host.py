@@ -196,11 +196,13 @@ class HostTier:
         if held is None:
             self.stats.misses += 1
             return None
+        t0 = time.perf_counter()
         self.life.accessed(key)
-        self.stats.hits += 1
-        self.stats.handovers += 1
         self.delete(key)
         self._free[-1] = row  # (delete freed `held` last: the pool's old row takes its place)
+        self.stats.hits += 1
+        self.stats.handovers += 1
+        self.stats.read_time_s += time.perf_counter() - t0  # bookkeeping only: bytes_read stays
         return held
 
     def rows(self) -> set[int]:
