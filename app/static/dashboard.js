@@ -463,6 +463,9 @@
         }
         card.appendChild(tierLine("hits", fmtInt(t.hits) + " · misses " + fmtInt(t.misses) + " · puts " + fmtInt(t.puts)));
         card.appendChild(tierLine("read", fmtBytes(t.bytes_read) + " · written " + fmtBytes(t.bytes_written)));
+        if (t.shares_device_slab) {  // CPU: blocks move to and from the device pool by trading rows
+          card.appendChild(tierLine("handed over", fmtInt(t.handovers) + " blocks to and from the device, nothing copied"));
+        }
         const errors = (t.errors || 0) + (t.corrupt || 0);
         card.appendChild(tierLine("served, last 30 s", fmtPct(rate) + (errors ? " · errors " + fmtInt(errors) : "")));
       }

@@ -46,10 +46,15 @@ class HostTier:
                 raise ValueError(f"a shared slab must be [rows, {block_nbytes}] uint8, got {tuple(slab.shape)} {slab.dtype}")
             self.slots = slab
             self._free = list(reversed(rows))
+            # rows whose bytes are not a block's KV (never written, or a failed read's leftovers):
+            # zeroed before the pool gets one, as its own rows are, so attention never meets NaN
+            # garbage in a partly filled block
+            self._unclean = set(rows)
         else:
             # torch.empty reserves address space; pages are touched only as slots fill up
             self.slots = torch.empty((self.capacity_blocks, block_nbytes), dtype=torch.uint8, pin_memory=pin)
             self._free = list(range(self.capacity_blocks - 1, -1, -1))
+            self._unclean = set()
         self._index: dict[bytes, int] = {}
         self._reserved: set[int] = set()  # slots a disk read is filling (see `reserve`)
         self.policy = make_policy(policy, self.capacity_blocks)
@@ -135,6 +140,7 @@ class HostTier:
         """``slot`` now holds ``key``'s block for ``owner``: index it and count the write (bytes
         only when they were ``copied`` in; a row taken from the pool is a handover)."""
         self._index[key] = slot
+        self._unclean.discard(slot)
         self.policy.insert(key)
         self.ledger.add(key, owner)
         self.life.inserted(key)
@@ -149,6 +155,8 @@ class HostTier:
         """A reserved slot was not filled (the read failed): free it."""
         self._reserved.remove(slot)
         self._free.append(slot)
+        if self.shared:  # a partial or damaged read may have left anything there
+            self._unclean.add(slot)
 
     def load_into(self, key: bytes, dst: torch.Tensor) -> bool:
         """Copy a block out into ``dst`` (flat uint8, e.g. a device block); False on a miss."""
@@ -184,6 +192,9 @@ class HostTier:
             return None
         evicted = [self._evict_one(owner)] if not self._free or self.ledger.at_quota(owner) else []
         spare = self._free.pop()
+        if spare in self._unclean:
+            self._unclean.discard(spare)
+            self.slots[spare].zero_()
         self._index_slot(key, row, owner, copied=False)
         return spare, evicted
 
@@ -250,6 +261,7 @@ class HostTier:
         assert not self._reserved & set(self._free) and not self._reserved & set(self._index.values())
         assert len(set(self._index.values())) == len(self._index)
         assert len(set(self._free)) == len(self._free)
+        assert self._unclean <= set(self._free) | self._reserved
         assert not set(self._index.values()) & set(self._free)
         assert len(self.policy) == len(self._index), (len(self.policy), len(self._index))
         assert len(self.ledger) == len(self._index), (len(self.ledger), len(self._index))

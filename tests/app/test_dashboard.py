@@ -151,6 +151,8 @@ def test_dashboard_in_chromium(dash_server: ServerProcess, tmp_path: Path, recor
                 expect(page.locator("#archetype-reason")).to_have_text(metrics["archetype"]["reason"])
                 expect(page.locator("#axis-ownership")).to_have_text(metrics["archetype"]["axes"]["ownership"])
                 expect(page.locator(".tier[data-tier=host]")).to_have_attribute("data-health", "healthy")
+                assert metrics["tiers"]["host"]["shares_device_slab"]  # CPU: one slab, rows traded
+                expect(page.locator(".tier[data-tier=host]")).to_contain_text("handed over")
                 expect(page.locator(".tier[data-tier=remote]")).to_have_attribute("data-health", "absent")
                 expect(page.locator("#gap-list > li")).to_have_count(7)
 

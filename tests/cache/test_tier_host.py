@@ -424,3 +424,23 @@ class SharedHostMachine(RuleBasedStateMachine):
 
 SharedHostMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestSharedHostMachine = SharedHostMachine.TestCase
+
+
+def test_the_pool_never_gets_a_row_of_leftover_bytes() -> None:
+    """Rows never written (torch.empty) or left by a failed read are zeroed before the pool takes
+    one: a partly filled block must not hand attention NaN garbage (0 · NaN is NaN)."""
+    tier, slab = shared_tier(1, 3)
+    slab.fill_(0xFF)  # as float32 this is NaN everywhere
+    slab[0] = block(1)
+    got = tier.adopt(key(1), 0)  # the pool gets a row never written
+    assert got is not None and int(slab[got[0]].count_nonzero()) == 0
+    held = tier.surrender(key(1), got[0])  # back: that (clean) row is a free row of the tier again
+    assert held == 0
+    reserved = tier.reserve()
+    assert reserved is not None and reserved[0] == got[0]
+    reserved[1][:] = b"\xff" * NB  # a damaged read's bytes, then the read fails
+    tier.release(reserved[0])
+    again = tier.adopt(key(1), 0)
+    assert again is not None and again[0] == got[0]
+    assert int(slab[again[0]].count_nonzero()) == 0, "a failed read's leftovers reached the pool"
+    tier.check_invariants()
