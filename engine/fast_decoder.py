@@ -146,7 +146,11 @@ class FastDecoder:
             qkv=_ConcatLinear([attn.q_proj, attn.k_proj, attn.v_proj]), o_proj=attn.o_proj,
             gate_up=gate_up, down=down, scaling=float(getattr(attn, "scaling", self.head_dim ** -0.5)))
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 keep: tuple[torch.Tensor, AttentionMetadata] | None = None) -> torch.Tensor:
+        """``keep`` = (rows, their attention metadata): the last layer computes only those rows
+        past writing its K/V — the only rows whose logits are wanted — and the result is theirs,
+        in that order. Every other row's output of the last layer feeds nothing."""
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(hidden.unsqueeze(0), positions.unsqueeze(0))
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
@@ -160,7 +164,14 @@ class FastDecoder:
             k = qkv[:, q_width : q_width + kv_width].view(total, self.num_kv_heads, self.head_dim)
             v = qkv[:, q_width + kv_width :].view(total, self.num_kv_heads, self.head_dim)
             self._rope_write_kv(meta, layer.index, q, k, v, cos, sin)
-            attn = attend(meta, layer.index, q, k, v, layer.scaling)
+            if keep is not None and i + 1 == len(self.layers):  # the last layer: only the sampled rows
+                rows, rows_meta = keep
+                if rows.numel() == 0:  # a chunk that samples nothing: its K/V were all it was for
+                    return x.new_empty((0, x.shape[-1]))
+                q, residual, total = q.index_select(0, rows), residual.index_select(0, rows), rows.numel()
+                attn = attend(rows_meta, layer.index, q, k, v, layer.scaling)
+            else:
+                attn = attend(meta, layer.index, q, k, v, layer.scaling)
             h = layer.o_proj(attn.view(total, q_width))
             x = self._rms_norm(h, residual, layer.post_norm, layer.post_eps)
             h = layer.down(self._silu_mul(layer.gate_up(x)))

@@ -46,6 +46,8 @@ class ModelRunner:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.fast: FastDecoder | None = None
+        # the fast decoder's last layer computes only the rows that sample (past writing its K/V)
+        self.trim_last_layer = True
         if fast_decoder and FastDecoder.unsupported(model) is None:
             self.fast = FastDecoder(model, native)
         if native is not None:
@@ -70,6 +72,16 @@ class ModelRunner:
         come before multi-token rows.
         """
         meta, input_ids, positions, last_index = self._prepare(token_ids, starts, block_tables)
+        keep = [last_index[r] for r in sample_rows]
+        if self.trim_last_layer and self.fast is not None and self.paged_kernel is not None \
+                and len(keep) < len(input_ids[0]):
+            # the last layer past its K/V only for the sampled rows (none in a prompt's middle
+            # chunk): 1/num_layers of a prefill's o_proj, MLP and attention saved
+            hidden = self.fast(input_ids[0], positions[0], meta,
+                               keep=self._sampled_rows(token_ids, starts, block_tables, sample_rows, keep, meta))
+            if not keep:
+                return hidden.new_empty((0, 0), dtype=torch.float32)
+            return self.lm_head(hidden).float()
         if self.fast is not None:
             hidden = self.fast(input_ids[0], positions[0], meta)
         else:
@@ -78,7 +90,7 @@ class ModelRunner:
             ).last_hidden_state[0]
         if not sample_rows:
             return hidden.new_empty((0, 0), dtype=torch.float32)
-        rows = torch.tensor([last_index[r] for r in sample_rows], device=self.device)
+        rows = torch.tensor(keep, device=self.device)
         return self.lm_head(hidden.index_select(0, rows)).float()
 
     def _prepare(
@@ -154,6 +166,23 @@ class ModelRunner:
         input_ids = torch.tensor([flat_tokens], device=dev)
         positions_t = torch.tensor([flat_pos], device=dev)
         return meta, input_ids, positions_t, last_index
+
+    def _sampled_rows(self, token_ids: Sequence[Sequence[int]], starts: Sequence[int],
+                      block_tables: Sequence[Sequence[int]], sample_rows: Sequence[int], keep: list[int],
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The flat rows that sample and the attention metadata of those rows alone: each its
+        sequence's last token, one row over its whole context, by the few-row kernel."""
+        assert self.paged_kernel is not None
+        paged = self.paged_kernel
+        rows_meta = AttentionMetadata(storage=self.storage, slot_blocks=meta.slot_blocks, slot_offsets=meta.slot_offsets)
+        spans = []
+        for j, r in enumerate(sample_rows):
+            ctx = starts[r] + len(token_ids[r])
+            spans.append((j, 1, ctx, block_tables[r][: -(-ctx // self.block_size)]))
+        if spans:
+            rows_meta.paged.append(self._paged_rows(
+                spans, lambda q, *args: paged(q.contiguous(), *args, attention.KERNEL_SPLIT_TOKENS)))
+        return torch.tensor(keep, dtype=torch.long, device=self.device), rows_meta
 
     def _paged_rows(self, spans: list[tuple[int, int, int, Sequence[int]]],
                     op: Callable[..., torch.Tensor]) -> PagedRows:

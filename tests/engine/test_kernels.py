@@ -376,3 +376,38 @@ def test_a_build_that_fails_the_self_check_is_not_used(monkeypatch, caplog) -> N
         assert kernels._build_and_load() is None
     assert "compute wrong results on this machine (silu_mul: Tensor-likes are not close!)" in caplog.text
     assert "PyTorch path" in caplog.text
+
+
+@needs_kernel
+def test_the_last_layer_computes_only_the_sampled_rows(tiny_model_dir) -> None:
+    """Trimmed (the last layer past its K/V only for the rows that sample) and untrimmed runs of
+    one step give the same logits, and a step that samples nothing still writes every layer's K/V."""
+    from cache.kv_storage import KVStorage
+    from engine.runner import ModelRunner
+
+    loaded = load_model(str(tiny_model_dir), device="cpu")
+    storage = KVStorage(16, loaded.num_layers, BS, loaded.num_kv_heads, loaded.head_dim, dtype=loaded.dtype,
+                        device=loaded.device)
+    runner = ModelRunner(loaded.model, storage, ops)
+    assert runner.fast is not None and runner.trim_last_layer
+    runner.execute([list(range(3, 43))], [0], [[0, 1, 2]], [0])  # a cached context for the chunks below
+    tables = [[0, 1, 2, 3], [4], [5, 6, 7], [8, 9]]
+    ids = [[7], [8], list(range(50, 70)), list(range(80, 110))]
+    starts = [40, 5, 0, 0]
+    for rows in ([0, 1, 2, 3], [2], [1, 3], [3, 0]):
+        trimmed = runner.execute(ids, starts, tables, rows)
+        runner.trim_last_layer = False
+        full = runner.execute(ids, starts, tables, rows)
+        runner.trim_last_layer = True
+        assert trimmed.shape == full.shape == (len(rows), loaded.model.config.vocab_size)
+        torch.testing.assert_close(trimmed, full, rtol=1e-4, atol=1e-4)
+    last = loaded.num_layers - 1
+    storage.kv[8:10].zero_()
+    assert runner.execute([list(range(80, 110))], [0], [[8, 9]], []).shape == (0, 0)  # a middle chunk
+    trimmed_kv = storage.keys(last)[8:10].clone(), storage.values(last)[8:10].clone()
+    assert torch.count_nonzero(trimmed_kv[0][1, :14]) > 0  # the last layer's K/V of tokens 16..29
+    runner.trim_last_layer = False
+    storage.kv[8:10].zero_()
+    runner.execute([list(range(80, 110))], [0], [[8, 9]], [])
+    torch.testing.assert_close(storage.keys(last)[8:10], trimmed_kv[0], rtol=0, atol=0)
+    torch.testing.assert_close(storage.values(last)[8:10], trimmed_kv[1], rtol=0, atol=0)
