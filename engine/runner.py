@@ -134,10 +134,7 @@ class ModelRunner:
             slot_offsets=torch.tensor(slot_offsets, device=dev),
         )
         if kernel_spans:
-            assert self.paged_kernel is not None
-            paged = self.paged_kernel
-            meta.paged.append(self._paged_rows(
-                kernel_spans, lambda q, *args: paged(q.contiguous(), *args, attention.KERNEL_SPLIT_TOKENS)))
+            meta.paged.append(self._paged_rows(kernel_spans, self._few_rows_op()))
         if chunk_spans:
             assert self.chunk_kernel is not None
             chunk = self.chunk_kernel
@@ -172,17 +169,20 @@ class ModelRunner:
                       meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMetadata]:
         """The flat rows that sample and the attention metadata of those rows alone: each its
         sequence's last token, one row over its whole context, by the few-row kernel."""
-        assert self.paged_kernel is not None
-        paged = self.paged_kernel
         rows_meta = AttentionMetadata(storage=self.storage, slot_blocks=meta.slot_blocks, slot_offsets=meta.slot_offsets)
         spans = []
         for j, r in enumerate(sample_rows):
             ctx = starts[r] + len(token_ids[r])
             spans.append((j, 1, ctx, block_tables[r][: -(-ctx // self.block_size)]))
         if spans:
-            rows_meta.paged.append(self._paged_rows(
-                spans, lambda q, *args: paged(q.contiguous(), *args, attention.KERNEL_SPLIT_TOKENS)))
+            rows_meta.paged.append(self._paged_rows(spans, self._few_rows_op()))
         return torch.tensor(keep, dtype=torch.long, device=self.device), rows_meta
+
+    def _few_rows_op(self) -> Callable[..., torch.Tensor]:
+        """The few-row kernel as a `PagedRows.op` (it wants a contiguous query)."""
+        paged = self.paged_kernel
+        assert paged is not None
+        return lambda q, *args: paged(q.contiguous(), *args, attention.KERNEL_SPLIT_TOKENS)
 
     def _paged_rows(self, spans: list[tuple[int, int, int, Sequence[int]]],
                     op: Callable[..., torch.Tensor]) -> PagedRows:
