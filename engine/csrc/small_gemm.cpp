@@ -33,73 +33,63 @@ inline float dot_generic(const float* a, const float* b, int64_t k) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+// One vector width's operations for `tile`: 8 lanes (AVX2) or, where the CPU has it, 16 (AVX-512).
+struct Vec8 {
+  using type = __m256;
+  static constexpr int lanes = 8;
+  static type zero() { return _mm256_setzero_ps(); }
+  static type load(const float* p) { return _mm256_loadu_ps(p); }
+  static type fma(type a, type b, type c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(type v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
 
-// out[r][j] = x[r] . w[j] for r < MR rows (stride xs), j < 3 outputs (stride ws); K % 8 == 0.
-// `next`: the following tile's first weight row (or nullptr): prefetched while this one computes.
-template <int MR>
+#if defined(__AVX512F__)
+// 16 lanes: up to 8 rows x 3 outputs = 24 of the 32 zmm registers, so each weight vector is loaded
+// once per 8 rows. On a Zen 4 VM, 30 layers of SmolLM2's shapes: 16 rows 35.1 / 34.9 -> 32.6 /
+// 32.1 ms, 8 rows 24.7 / 23.7 -> 22.3 / 21.3 ms against the 8-lane tile (two alternating pairs).
+struct Vec16 {
+  using type = __m512;
+  static constexpr int lanes = 16;
+  static type zero() { return _mm512_setzero_ps(); }
+  static type load(const float* p) { return _mm512_loadu_ps(p); }
+  static type fma(type a, type b, type c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(type v) { return _mm512_reduce_add_ps(v); }
+};
+#endif
+
+// out[r][j] = x[r] . w[j] for r < MR rows (stride xs), j < 3 outputs (stride ws); K % V::lanes == 0.
+// `next`: the following tile's first weight row (or nullptr): prefetched while this one computes,
+// one cache line (16 floats) of each of its 3 rows at a time.
+template <class V, int MR>
 inline void tile(const float* x, int64_t xs, const float* w, int64_t ws, int64_t k, float* out, int64_t os,
                  const float* next) {
-  __m256 acc[MR][3];
+  typename V::type acc[MR][3];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < 3; ++j) acc[r][j] = _mm256_setzero_ps();
+    for (int j = 0; j < 3; ++j) acc[r][j] = V::zero();
   const float* w0 = w;
   const float* w1 = w + ws;
   const float* w2 = w + 2 * ws;
-  for (int64_t i = 0; i < k; i += 8) {
+  for (int64_t i = 0; i < k; i += V::lanes) {
     if (next != nullptr && (i & 15) == 0) {
       _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(next + ws + i), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(next + 2 * ws + i), _MM_HINT_T0);
     }
-    const __m256 a = _mm256_loadu_ps(w0 + i), b = _mm256_loadu_ps(w1 + i), c = _mm256_loadu_ps(w2 + i);
+    const typename V::type a = V::load(w0 + i), b = V::load(w1 + i), c = V::load(w2 + i);
     for (int r = 0; r < MR; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * xs + i);
-      acc[r][0] = _mm256_fmadd_ps(xv, a, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xv, b, acc[r][1]);
-      acc[r][2] = _mm256_fmadd_ps(xv, c, acc[r][2]);
+      const typename V::type xv = V::load(x + r * xs + i);
+      acc[r][0] = V::fma(xv, a, acc[r][0]);
+      acc[r][1] = V::fma(xv, b, acc[r][1]);
+      acc[r][2] = V::fma(xv, c, acc[r][2]);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < 3; ++j) out[r * os + j] = hsum(acc[r][j]);
-}
-#endif
-
-#if defined(__AVX512F__)
-// The AVX-512 form of `tile`: 16 lanes along K, up to 8 rows x 3 outputs = 24 of the 32 zmm
-// registers, so each weight vector is loaded once per 8 rows; K % 16 == 0. On a Zen 4 VM, 30
-// layers of SmolLM2's shapes: 16 rows 35.1 / 34.9 -> 32.6 / 32.1 ms, 8 rows 24.7 / 23.7 -> 22.3 /
-// 21.3 ms against the AVX2 tile (two alternating pairs).
-template <int MR>
-inline void tile16(const float* x, int64_t xs, const float* w, int64_t ws, int64_t k, float* out, int64_t os,
-                   const float* next) {
-  __m512 acc[MR][3];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < 3; ++j) acc[r][j] = _mm512_setzero_ps();
-  const float* w0 = w;
-  const float* w1 = w + ws;
-  const float* w2 = w + 2 * ws;
-  for (int64_t i = 0; i < k; i += 16) {
-    if (next != nullptr) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(next + ws + i), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(next + 2 * ws + i), _MM_HINT_T0);
-    }
-    const __m512 a = _mm512_loadu_ps(w0 + i), b = _mm512_loadu_ps(w1 + i), c = _mm512_loadu_ps(w2 + i);
-    for (int r = 0; r < MR; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * xs + i);
-      acc[r][0] = _mm512_fmadd_ps(xv, a, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xv, b, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(xv, c, acc[r][2]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < 3; ++j) out[r * os + j] = _mm512_reduce_add_ps(acc[r][j]);
+    for (int j = 0; j < 3; ++j) out[r * os + j] = V::sum(acc[r][j]);
 }
 #endif
 
@@ -123,13 +113,13 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * NR, nn = std::min(NR, N - n0);
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
       if (nn == NR && K % 16 == 0) {
         const float* next = n0 + 2 * NR <= N ? wp + (n0 + NR) * K : nullptr;
         int64_t r = 0;
-        for (; r + 8 <= M; r += 8) tile16<8>(xp + r * xs, xs, wp + n0 * K, K, K, op + r * N + n0, N, r == 0 ? next : nullptr);
-        for (; r + 4 <= M; r += 4) tile16<4>(xp + r * xs, xs, wp + n0 * K, K, K, op + r * N + n0, N, r == 0 ? next : nullptr);
-        for (; r < M; ++r) tile16<1>(xp + r * xs, xs, wp + n0 * K, K, K, op + r * N + n0, N, r == 0 ? next : nullptr);
+        for (; r + 8 <= M; r += 8) tile<Vec16, 8>(xp + r * xs, xs, wp + n0 * K, K, K, op + r * N + n0, N, r == 0 ? next : nullptr);
+        for (; r + 4 <= M; r += 4) tile<Vec16, 4>(xp + r * xs, xs, wp + n0 * K, K, K, op + r * N + n0, N, r == 0 ? next : nullptr);
+        for (; r < M; ++r) tile<Vec16, 1>(xp + r * xs, xs, wp + n0 * K, K, K, op + r * N + n0, N, r == 0 ? next : nullptr);
       } else
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
@@ -137,8 +127,8 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
         // prefetch the next tile during the first pass over this one (later passes hit L1)
         const float* next = n0 + 2 * NR <= N ? wp + (n0 + NR) * K : nullptr;
         int64_t r = 0;
-        for (; r + 4 <= M; r += 4) tile<4>(xp + r * xs, xs, wp + n0 * K, K, K, op + r * N + n0, N, r == 0 ? next : nullptr);
-        for (; r < M; ++r) tile<1>(xp + r * xs, xs, wp + n0 * K, K, K, op + r * N + n0, N, r == 0 ? next : nullptr);
+        for (; r + 4 <= M; r += 4) tile<Vec8, 4>(xp + r * xs, xs, wp + n0 * K, K, K, op + r * N + n0, N, r == 0 ? next : nullptr);
+        for (; r < M; ++r) tile<Vec8, 1>(xp + r * xs, xs, wp + n0 * K, K, K, op + r * N + n0, N, r == 0 ? next : nullptr);
       } else
 #endif
       {
