@@ -28,7 +28,8 @@ def first_mismatch(ops: Any) -> str | None:
         return torch.randn(*shape, generator=gen)
 
     for name, check in (("silu_mul", _silu_mul), ("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm),
-                        ("small_linear", _small_linear), ("rope_write_kv", _rope_write_kv),
+                        ("small_linear", _small_linear), ("panel_linear", _panel_linear),
+                        ("rope_write_kv", _rope_write_kv),
                         ("paged_attention", _paged_attention), ("chunk_attention", _chunk_attention)):
         try:
             with torch.inference_mode():
@@ -65,6 +66,14 @@ def _small_linear(ops: Any, rand: Any) -> None:
     x, weight, bias = rand(7, 64), rand(11, 64), rand(11)  # a 4-row tile and 3 single rows; 3 tiles of outputs and 2 more
     _close(ops.small_linear(x, weight, bias), F.linear(x, weight, bias))
     _close(ops.small_linear(x, weight, None), F.linear(x, weight))
+
+
+def _panel_linear(ops: Any, rand: Any) -> None:
+    # 19 rows: a full row tile and a tail with either vector width; 37 outputs: a partial last panel
+    x, weight, bias = rand(19, 24), rand(37, 24), rand(37)
+    panels = ops.pack_panels(weight)
+    _close(ops.panel_linear(x, panels, bias, 37), F.linear(x, weight, bias))
+    _close(ops.panel_linear(x, panels, None, 37), F.linear(x, weight))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,11 @@ class PackedLinear(nn.Module):
     # `small_rows` rows it reads the plain weight at memory speed (oneDNN: 6-9 GB/s at 16 rows).
     small: Callable[..., torch.Tensor] | None = None
     small_rows: int = 16
+    # The native panel kernel (engine/csrc/panel_gemm.cpp, `use_panel_kernel`) takes the rows
+    # past `small_rows` up to `panel_rows`: at 64 rows, SmolLM2's 30 layers 36-37 → 29-31 ms against
+    # oneDNN with the weights streamed from memory; from ~512 rows oneDNN is faster.
+    panel: Callable[..., torch.Tensor] | None = None
+    panel_rows: int = 256
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -72,11 +77,16 @@ class PackedLinear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT_ROWS))
         self.register_buffer("bias", None if bias is None else bias.detach())
+        self.panels: torch.Tensor | None
+        self.register_buffer("panels", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.small is not None and rows.shape[0] <= self.small_rows:
             return self.small(rows, self.weight, self.bias).reshape(*x.shape[:-1], self.out_features)
+        if self.panel is not None and rows.shape[0] <= self.panel_rows:
+            rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+            return self.panel(rows, self.panels, self.bias, self.out_features).reshape(*x.shape[:-1], self.out_features)
         if self.mkl_rows is not None and rows.shape[0] >= self.mkl_rows:
             return F.linear(x, self.weight, self.bias)
         return self.onednn(rows.contiguous()).reshape(*x.shape[:-1], self.out_features)
@@ -138,6 +148,33 @@ def use_small_kernel(modules: Iterable[nn.Module], op: Callable[..., torch.Tenso
         if isinstance(module, PackedLinear) and module.weight.dtype == torch.float32:
             module.small = op
             count += 1
+    return count
+
+
+def use_panel_kernel(modules: Iterable[nn.Module], linear: Callable[..., torch.Tensor] | None,
+                     pack: Callable[[torch.Tensor], torch.Tensor] | None = None) -> int:
+    """Give the float32 packed layers among ``modules`` the native panel kernel (``linear``, with
+    ``pack`` to repack their weights into its panels); returns how many. The panels replace
+    oneDNN's packed copy, so a layer still holds two copies of its weight: oneDNN then multiplies
+    the many-row matmuls past `PackedLinear.panel_rows` from the plain weight, reordering it per
+    call (measured alike at 512-2,048 rows: the reorder is a small part of such a matmul).
+    ``linear=None`` takes the kernel away and restores oneDNN's packed copy."""
+    if linear is not None and pack is None:
+        raise ValueError("use_panel_kernel needs the pack op that lays out the kernel's panels")
+    count = 0
+    for module in modules:
+        if not isinstance(module, PackedLinear) or module.weight.dtype != torch.float32:
+            continue
+        if linear is None:
+            if module.panel is not None:
+                module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight, _PACK_HINT_ROWS)
+                module.panels = None
+        elif module.panel is None:
+            assert pack is not None
+            module.panels = pack(module.weight)
+            module.packed = module.weight
+        module.panel = linear
+        count += 1
     return count
 
 

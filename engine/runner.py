@@ -16,7 +16,7 @@ from engine import attention
 from engine.attention import CHUNK_MAX_CONTEXT, KERNEL_MAX_ROWS, AttentionMetadata, PagedRows, PrefillSpan
 from engine.fast_decoder import FastDecoder
 from engine.kernels import NativeOps
-from engine.packing import use_small_kernel
+from engine.packing import use_panel_kernel, use_small_kernel
 
 
 class ModelRunner:
@@ -52,6 +52,7 @@ class ModelRunner:
             self.fast = FastDecoder(model, native)
         if native is not None:
             use_small_kernel(self.modules(), native.small_linear)
+            use_panel_kernel(self.modules(), native.panel_linear, native.pack_panels)
 
     def modules(self) -> list[torch.nn.Module]:
         """Every module a step runs: the model's and the fast decoder's own fused layers."""

@@ -322,6 +322,77 @@ def test_packed_layers_take_the_small_kernel_for_few_rows_only() -> None:
     assert layer.small is None
 
 
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 14, 15, 17, 64, 100])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (97, 576), (33, 40), (1, 8), (64, 1)])
+def test_panel_linear_matches_f_linear(rows: int, out_features: int, in_features: int) -> None:
+    # row counts around both builds' row tiles (6 with AVX2, 14 with AVX-512); outputs that fill
+    # panels of 16 or 32 columns exactly, by one column more, or a panel's first column only
+    assert ops is not None
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight, bias = torch.randn(out_features, in_features, generator=gen), torch.randn(out_features, generator=gen)
+    panels = ops.pack_panels(weight)
+    tol = 1e-5 * max(1.0, in_features ** 0.5)  # fp32 sums of in_features products, in another order
+    assert panels.shape[1] == in_features and panels.shape[0] * panels.shape[2] >= out_features
+    torch.testing.assert_close(ops.panel_linear(x, panels, bias, out_features), F.linear(x, weight, bias),
+                               rtol=tol, atol=tol)
+    torch.testing.assert_close(ops.panel_linear(x, panels, None, out_features), F.linear(x, weight), rtol=tol, atol=tol)
+    wide = torch.randn(rows, in_features + 5, generator=gen)[:, :in_features]  # rows with a stride
+    torch.testing.assert_close(ops.panel_linear(wide, panels, None, out_features), F.linear(wide, weight),
+                               rtol=tol, atol=tol)
+
+
+@needs_ops
+def test_panel_linear_refuses_what_does_not_fit() -> None:
+    assert ops is not None
+    weight = torch.randn(40, 24)
+    panels = ops.pack_panels(weight)
+    with pytest.raises(RuntimeError, match="x has 23 features, the panels 24"):
+        ops.panel_linear(torch.randn(3, 23), panels, None, 40)
+    with pytest.raises(RuntimeError, match="cannot hold 200 outputs"):
+        ops.panel_linear(torch.randn(3, 24), panels, None, 200)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32 \\[40\\]"):
+        ops.panel_linear(torch.randn(3, 24), panels, torch.randn(39), 40)
+    with pytest.raises(RuntimeError, match="must come from this build's pack_panels"):
+        ops.panel_linear(torch.randn(3, 24), weight.view(40, 24, 1), None, 40)
+    with pytest.raises(RuntimeError, match="2-D float32 CPU weight"):
+        ops.pack_panels(weight.double())
+    assert ops.panel_linear(torch.randn(0, 24), panels, None, 40).shape == (0, 40)
+
+
+@needs_ops
+def test_packed_layers_take_the_panel_kernel_between_few_and_many_rows() -> None:
+    from engine.packing import PackedLinear, use_panel_kernel, use_small_kernel
+
+    assert ops is not None
+    layer = PackedLinear(torch.randn(48, 32), torch.randn(48))
+    calls: list[tuple[str, int]] = []
+
+    def counting(name: str, op):  # type: ignore[no-untyped-def]
+        def run(x: torch.Tensor, *args: object) -> torch.Tensor:
+            calls.append((name, x.shape[0]))
+            return op(x, *args)
+        return run
+
+    assert use_small_kernel([layer], counting("small", ops.small_linear)) == 1
+    assert use_panel_kernel([layer, torch.nn.ReLU()], counting("panel", ops.panel_linear), ops.pack_panels) == 1
+    assert layer.panels is not None and layer.packed is layer.weight  # the panels replace oneDNN's copy
+    with torch.inference_mode():
+        for rows in (layer.small_rows, layer.small_rows + 1, layer.panel_rows, layer.panel_rows + 1, 600):
+            x = torch.randn(2, rows, 32)[1]
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [("small", layer.small_rows), ("panel", layer.small_rows + 1), ("panel", layer.panel_rows)]
+    use_panel_kernel([layer], None)
+    assert layer.panel is None and layer.panels is None and layer.packed.is_mkldnn  # oneDNN's copy is back
+    with torch.inference_mode():
+        x = torch.randn(40, 32)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match="needs the pack op"):
+        use_panel_kernel([layer], ops.panel_linear)
+
+
 def _off_by_a_little(name: str, real):
     """`real` with its result (or, for the in-place ops, what it writes) off by 0.01 in one place."""
     def wrong(*args):
@@ -344,7 +415,7 @@ def test_self_check_accepts_this_build() -> None:
 
 
 @needs_ops
-@pytest.mark.parametrize("name", ["silu_mul", "rms_norm", "add_rms_norm", "small_linear", "rope_write_kv",
+@pytest.mark.parametrize("name", ["silu_mul", "rms_norm", "add_rms_norm", "small_linear", "panel_linear", "rope_write_kv",
                                   "paged_attention", "chunk_attention"])
 def test_self_check_names_an_op_that_computes_wrong_values(name: str) -> None:
     import dataclasses

@@ -1,0 +1,160 @@
+// y = x W^T + b for a middling number of rows (17 to a few hundred: a prompt's chunk past a
+// cached prefix, a decode batch of more than 16 sequences) on CPU, float32.
+//
+// At these sizes a forward pass streams every weight from memory once and uses it for only
+// tens of rows, so how the weights arrive matters as much as the multiply. oneDNN's packed GEMM
+// ran SmolLM2's 30 layers at 64 rows in 36-37 ms with the weights coming from memory (28 ms when
+// they sat in cache; docs/engine.md); this kernel in 29-31 ms. W is repacked once into panels of
+// `kWidth` output columns, each panel [K][kWidth] contiguous, so a panel is one sequential stream:
+//
+//   for each panel (panels are shared between threads):
+//     for each block of up to kMaxRows rows:        kMaxRows x 2 vector accumulators
+//       for k in 0..K:  two vectors of the panel's row k, each x[r][k] broadcast against both
+//
+// The panel (K x kWidth x 4 bytes: 72 KB for K = 576) stays in L1/L2 while every row block passes
+// over it; during the first row block the panel after next is prefetched, a cache line per 16
+// weights, so its stream is in flight before the kernel reaches it.
+//
+// Shapes: x [M, K] (any row stride, unit column stride); panels [P, K, kWidth] from
+// `pack_panels` (columns past N zero); bias [N] or none. Returns [M, N].
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kMaxRows = 14;  // 14 x 2 = 28 accumulators of 32 zmm registers (12 and 8 measured slower)
+#else
+constexpr int kLanes = 8;
+constexpr int kMaxRows = 6;   // 6 x 2 = 12 accumulators of 16 ymm registers
+#endif
+constexpr int kWidth = 2 * kLanes;  // output columns per panel
+
+typedef float vec __attribute__((vector_size(kLanes * 4)));
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+
+// x - 0 is x for every float (-0 included), so this is a plain broadcast (x + 0 is not: -0 + 0 = +0)
+inline vec splat(float x) { return x - vec{}; }
+
+// y[r][0..cols) = x[r] . panel + bias for the R rows at x; `ahead`: a panel to prefetch, or null.
+template <int R>
+void tile(const float* x, int64_t ldx, const float* panel, int64_t K, const float* ahead, const float* bias,
+          float* y, int64_t ldy, int64_t cols) {
+  vec acc[R][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vec{};
+  for (int64_t k = 0; k < K; ++k) {
+    const float* w = panel + k * kWidth;
+    const vec b0 = load(w), b1 = load(w + kLanes);
+    if (ahead != nullptr)
+      for (int i = 0; i < kWidth; i += 16) __builtin_prefetch(ahead + k * kWidth + i, 0, 3);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const vec a = splat(x[r * ldx + k]);
+      acc[r][0] += a * b0;
+      acc[r][1] += a * b1;
+    }
+  }
+  float row[kWidth];
+  for (int r = 0; r < R; ++r) {
+    store(row, acc[r][0]);
+    store(row + kLanes, acc[r][1]);
+    if (bias != nullptr)
+      for (int64_t j = 0; j < cols; ++j) row[j] += bias[j];
+    std::memcpy(y + r * ldy, row, cols * sizeof(float));
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, const float*, float*, int64_t, int64_t);
+
+template <int... Rs>
+constexpr TileFn tile_for(int rows, std::integer_sequence<int, Rs...>) {
+  constexpr TileFn tiles[] = {&tile<Rs + 1>...};
+  return tiles[rows - 1];
+}
+
+at::Tensor pack_panels(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+              "pack_panels takes a 2-D float32 CPU weight [out_features, in_features]");
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kWidth - 1) / kWidth;
+  at::Tensor out = at::zeros({P, K, kWidth}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min<int64_t>(kWidth, N - p * kWidth);
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < cols; ++j) dst[(p * K + k) * kWidth + j] = src[(p * kWidth + j) * K + k];
+    }
+  });
+  return out;
+}
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                        int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(1) == 1,
+              "panel_linear: x must be a 2-D float32 CPU tensor with contiguous rows");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kWidth && panels.is_contiguous() &&
+                  panels.scalar_type() == at::kFloat,
+              "panel_linear: panels must come from this build's pack_panels ([P, K, ", kWidth, "])");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), N = out_features;
+  TORCH_CHECK(panels.size(1) == K, "panel_linear: x has ", K, " features, the panels ", panels.size(1));
+  TORCH_CHECK(N > (P - 1) * kWidth && N <= P * kWidth, "panel_linear: ", P, " panels cannot hold ", N, " outputs");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
+                "panel_linear: bias must be a contiguous float32 [", N, "]");
+    b = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* panel = wp + p * K * kWidth;
+      const float* ahead = p + 2 < P ? panel + 2 * K * kWidth : nullptr;
+      const int64_t cols = std::min<int64_t>(kWidth, N - p * kWidth);
+      for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - r0));
+        tile_for(rows, std::make_integer_sequence<int, kMaxRows>{})(
+            xp + r0 * ldx, ldx, panel, K, r0 == 0 ? ahead : nullptr, b == nullptr ? nullptr : b + p * kWidth,
+            yp + r0 * N + p * kWidth, N, cols);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvgate, m) {
+  m.def("pack_panels(Tensor weight) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvgate, CPU, m) {
+  m.impl("pack_panels", &pack_panels);
+  m.impl("panel_linear", &panel_linear);
+}
