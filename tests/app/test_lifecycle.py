@@ -18,7 +18,7 @@ SHUTDOWN_CONFIG = """
 path = "tiny"
 
 [server]
-shutdown_timeout_s = 2
+shutdown_timeout_s = 1
 """
 
 
@@ -34,7 +34,9 @@ def test_sigterm_finishes_short_streams_aborts_long_ones_and_exits_0(start_serve
     server = start_server(config=SHUTDOWN_CONFIG)
     short: list[str] = []
     long: list[str] = []
-    threads = [threading.Thread(target=_stream, args=(server.url, 40, short)),
+    # the long stream must outlast the shutdown timeout: 4,000 tokens (about what the tiny model's
+    # 4,096 positions allow) took ~2 s on a Zen 5 VM, which once finished inside a 2 s timeout
+    threads = [threading.Thread(target=_stream, args=(server.url, 10, short)),
                threading.Thread(target=_stream, args=(server.url, 4000, long))]
     for thread in threads:
         thread.start()
