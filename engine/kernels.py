@@ -8,9 +8,8 @@ tokens of context 2.2 ms → 0.18 ms (gather + SDPA vs the kernel), 5 rows over 
 1.0 → 0.6 ms. `chunk_attention` (engine/csrc/chunk_attention.cpp) takes the longer prefill chunks,
 GEMM-shaped: a 64-row chunk over 2,048 keys 2.6 → 1.9 ms per layer against PyTorch's flash
 attention with its gather, a causal 2,048-token prompt 43 → 30 ms per layer.
-`fused_ops.cpp` holds the fused steps of engine.fast_decoder, `small_gemm.cpp` the few-row matmul
-of engine.packing's layers and `panel_gemm.cpp` their matmul for 17 to a few hundred rows
-(docs/engine.md has the figures).
+`fused_ops.cpp` holds the fused steps of engine.fast_decoder, `panel_gemm.cpp` the matmul of
+engine.packing's layers for 1 to a few hundred rows (docs/engine.md has the figures).
 
 The source is compiled by one call of the machine's C++ compiler (against torch's headers, no
 build system) the first time an engine starts (~15 s on 2 cores) into
@@ -45,8 +44,7 @@ from engine.tiny_model import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name("csrc") / name
-            for name in ("paged_attention.cpp", "chunk_attention.cpp", "fused_ops.cpp", "small_gemm.cpp",
-                         "panel_gemm.cpp")]
+            for name in ("paged_attention.cpp", "chunk_attention.cpp", "fused_ops.cpp", "panel_gemm.cpp")]
 # -fno-trapping-math lets GCC vectorise loops with float compares (the exp clamps, masks); the
 # kernels never read floating-point exception flags.
 _CFLAGS = ["-O3", "-fopenmp", "-march=native", "-fno-trapping-math", "-fno-math-errno"]
@@ -65,7 +63,6 @@ class NativeOps:
     rms_norm: Callable[..., torch.Tensor]
     rope_write_kv: Callable[..., None]
     silu_mul: Callable[..., torch.Tensor]
-    small_linear: Callable[..., torch.Tensor]
     pack_panels: Callable[..., torch.Tensor]
     panel_linear: Callable[..., torch.Tensor]
 
@@ -124,7 +121,7 @@ def _build_and_load() -> NativeOps | None:
         torch.ops.load_library(str(library))
         ns: Any = torch.ops.kvgate
         ops = NativeOps(paged_attention=ns.paged_attention, chunk_attention=ns.chunk_attention, add_rms_norm=ns.add_rms_norm, rms_norm=ns.rms_norm,
-                        rope_write_kv=ns.rope_write_kv, silu_mul=ns.silu_mul, small_linear=ns.small_linear,
+                        rope_write_kv=ns.rope_write_kv, silu_mul=ns.silu_mul,
                         pack_panels=ns.pack_panels, panel_linear=ns.panel_linear)
     except Exception as exc:  # a compiler error, a missing header, a broken cache folder
         lines = str(exc).strip().splitlines() or [""]

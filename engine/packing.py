@@ -8,6 +8,11 @@ model (docs/benchmarks.md): a 16-sequence SmolLM2 decode step 113 → 93 ms, wit
 unchanged. The MLP's gate and up projections are also fused into one matmul (one read of the
 input, one kernel call instead of two).
 
+Where the engine loaded its native kernels (float32 on CPU), `use_panel_kernel` gives every packed
+layer KVGate's own matmul for 1 to 256 rows (engine/csrc/panel_gemm.cpp), on the weight repacked
+into sequential panels that replace oneDNN's copy: a 16-sequence decode step 31.8 → 23.7 ms on a
+Zen 5 VM against the few-row kernel it replaced (docs/engine.md); oneDNN keeps the larger matmuls.
+
 Only on CPU, with oneDNN available and a float32/bfloat16 model; every replaced layer is checked
 against ``F.linear`` on random input when packed, and left alone if the results disagree.
 Call after the model's fingerprint is taken: packed layers hold buffers, not parameters.
@@ -52,17 +57,15 @@ class PackedLinear(nn.Module):
     Few rows: oneDNN is 15-100 % faster everywhere we measured. Many rows: on an Intel Xeon MKL
     was 3-10 % faster past ~512 rows; on an AMD EPYC (Zen 4) oneDNN is 10-40 % faster at every
     size (MKL does not pick its AVX-512 kernels there). The plain weight is kept for MKL and for
-    `_agrees`, one more copy of each linear weight in host memory (docs/engine.md).
+    `_agrees`, one more copy of each linear weight in host memory (docs/engine.md). With the native
+    panel kernel attached (`use_panel_kernel`) it takes every matmul of up to `panel_rows` rows.
     """
 
     mkl_rows: int | None = _MKL_ROWS
-    # The native few-row kernel (engine/csrc/small_gemm.cpp) where the engine loaded it: from 1 to
-    # `small_rows` rows it reads the plain weight at memory speed (oneDNN: 6-9 GB/s at 16 rows).
-    small: Callable[..., torch.Tensor] | None = None
-    small_rows: int = 16
-    # The native panel kernel (engine/csrc/panel_gemm.cpp, `use_panel_kernel`) takes the rows
-    # past `small_rows` up to `panel_rows`: at 64 rows, SmolLM2's 30 layers 36-37 → 29-31 ms against
-    # oneDNN with the weights streamed from memory; from ~512 rows oneDNN is faster.
+    # The native panel kernel (engine/csrc/panel_gemm.cpp, `use_panel_kernel`) where the engine
+    # loaded it takes 1 to `panel_rows` rows: SmolLM2's 30 layers at 16 rows 18.8 → 12.1 ms against
+    # the few-row kernel it replaced, at 64 rows 36-37 → 29-31 ms against oneDNN (weights streamed
+    # from memory); from ~512 rows oneDNN is faster.
     panel: Callable[..., torch.Tensor] | None = None
     panel_rows: int = 256
 
@@ -82,8 +85,6 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.small is not None and rows.shape[0] <= self.small_rows:
-            return self.small(rows, self.weight, self.bias).reshape(*x.shape[:-1], self.out_features)
         if self.panel is not None and rows.shape[0] <= self.panel_rows:
             rows = rows if rows.stride(-1) == 1 else rows.contiguous()
             return self.panel(rows, self.panels, self.bias, self.out_features).reshape(*x.shape[:-1], self.out_features)
@@ -138,17 +139,6 @@ def pack_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> in
         logger.info("packed %d linear layers for oneDNN; many-row matmuls use %s", replaced,
                     "oneDNN too" if mkl_rows is None else f"MKL from {mkl_rows} rows")
     return replaced
-
-
-def use_small_kernel(modules: Iterable[nn.Module], op: Callable[..., torch.Tensor] | None) -> int:
-    """Give the float32 packed layers among ``modules`` the native few-row kernel (None takes it
-    away); returns how many."""
-    count = 0
-    for module in modules:
-        if isinstance(module, PackedLinear) and module.weight.dtype == torch.float32:
-            module.small = op
-            count += 1
-    return count
 
 
 def use_panel_kernel(modules: Iterable[nn.Module], linear: Callable[..., torch.Tensor] | None,

@@ -16,7 +16,7 @@ from engine import attention
 from engine.attention import CHUNK_MAX_CONTEXT, KERNEL_MAX_ROWS, AttentionMetadata, PagedRows, PrefillSpan
 from engine.fast_decoder import FastDecoder
 from engine.kernels import NativeOps
-from engine.packing import use_panel_kernel, use_small_kernel
+from engine.packing import use_panel_kernel
 
 
 class ModelRunner:
@@ -51,7 +51,6 @@ class ModelRunner:
         if fast_decoder and FastDecoder.unsupported(model) is None:
             self.fast = FastDecoder(model, native)
         if native is not None:
-            use_small_kernel(self.modules(), native.small_linear)
             use_panel_kernel(self.modules(), native.panel_linear, native.pack_panels)
 
     def modules(self) -> list[torch.nn.Module]:

@@ -287,42 +287,6 @@ def test_rope_write_kv_rotates_in_place_and_refuses_slots_outside_the_pool() -> 
 
 
 @needs_ops
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17])
-@pytest.mark.parametrize("out_features,in_features", [(96, 64), (97, 64), (10, 40), (3, 13), (1, 8)])
-def test_small_linear_matches_f_linear(rows: int, out_features: int, in_features: int) -> None:
-    assert ops is not None
-    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
-    x = torch.randn(rows, in_features, generator=gen)
-    weight, bias = torch.randn(out_features, in_features, generator=gen), torch.randn(out_features, generator=gen)
-    torch.testing.assert_close(ops.small_linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ops.small_linear(x, weight, None), F.linear(x, weight), rtol=1e-5, atol=1e-5)
-    wide = torch.randn(rows, in_features + 5, generator=gen)[:, :in_features]  # rows with a stride
-    torch.testing.assert_close(ops.small_linear(wide, weight, None), F.linear(wide, weight), rtol=1e-5, atol=1e-5)
-
-
-@needs_ops
-def test_packed_layers_take_the_small_kernel_for_few_rows_only() -> None:
-    from engine.packing import PackedLinear, use_small_kernel
-
-    assert ops is not None
-    layer = PackedLinear(torch.randn(48, 32), torch.randn(48))
-    calls: list[int] = []
-
-    def counting(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return ops.small_linear(x, weight, bias)
-
-    assert use_small_kernel([layer, torch.nn.ReLU()], counting) == 1
-    with torch.inference_mode():
-        for rows in (1, layer.small_rows, layer.small_rows + 1, 600):
-            x = torch.randn(2, rows, 32)[1]
-            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-    assert calls == [1, layer.small_rows]
-    use_small_kernel([layer], None)
-    assert layer.small is None
-
-
-@needs_ops
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 14, 15, 17, 64, 100])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (97, 576), (33, 40), (1, 8), (64, 1)])
 def test_panel_linear_matches_f_linear(rows: int, out_features: int, in_features: int) -> None:
@@ -362,31 +326,28 @@ def test_panel_linear_refuses_what_does_not_fit() -> None:
 
 
 @needs_ops
-def test_packed_layers_take_the_panel_kernel_between_few_and_many_rows() -> None:
-    from engine.packing import PackedLinear, use_panel_kernel, use_small_kernel
+def test_packed_layers_take_the_panel_kernel_up_to_panel_rows() -> None:
+    from engine.packing import PackedLinear, use_panel_kernel
 
     assert ops is not None
     layer = PackedLinear(torch.randn(48, 32), torch.randn(48))
-    calls: list[tuple[str, int]] = []
+    calls: list[int] = []
 
-    def counting(name: str, op):  # type: ignore[no-untyped-def]
-        def run(x: torch.Tensor, *args: object) -> torch.Tensor:
-            calls.append((name, x.shape[0]))
-            return op(x, *args)
-        return run
+    def counting(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return ops.panel_linear(x, *args)
 
-    assert use_small_kernel([layer], counting("small", ops.small_linear)) == 1
-    assert use_panel_kernel([layer, torch.nn.ReLU()], counting("panel", ops.panel_linear), ops.pack_panels) == 1
+    assert use_panel_kernel([layer, torch.nn.ReLU()], counting, ops.pack_panels) == 1
     assert layer.panels is not None and layer.packed is layer.weight  # the panels replace oneDNN's copy
     with torch.inference_mode():
-        for rows in (layer.small_rows, layer.small_rows + 1, layer.panel_rows, layer.panel_rows + 1, 600):
+        for rows in (1, 16, layer.panel_rows, layer.panel_rows + 1, 600):
             x = torch.randn(2, rows, 32)[1]
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-    assert calls == [("small", layer.small_rows), ("panel", layer.small_rows + 1), ("panel", layer.panel_rows)]
+    assert calls == [1, 16, layer.panel_rows]
     use_panel_kernel([layer], None)
     assert layer.panel is None and layer.panels is None and layer.packed.is_mkldnn  # oneDNN's copy is back
     with torch.inference_mode():
-        x = torch.randn(40, 32)
+        x = torch.randn(5, 32)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     assert len(calls) == 3
     with pytest.raises(ValueError, match="needs the pack op"):
@@ -415,7 +376,7 @@ def test_self_check_accepts_this_build() -> None:
 
 
 @needs_ops
-@pytest.mark.parametrize("name", ["silu_mul", "rms_norm", "add_rms_norm", "small_linear", "panel_linear", "rope_write_kv",
+@pytest.mark.parametrize("name", ["silu_mul", "rms_norm", "add_rms_norm", "panel_linear", "rope_write_kv",
                                   "paged_attention", "chunk_attention"])
 def test_self_check_names_an_op_that_computes_wrong_values(name: str) -> None:
     import dataclasses
