@@ -49,11 +49,10 @@
 
 namespace {
 
+constexpr int kLanes = kvgate::kWideLanes;  // rows per vector
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;  // one zmm register of rows
 constexpr int kKeys = 8;    // 8 keys x 3 vectors = 24 accumulators of 32 registers
 #else
-constexpr int kLanes = 8;   // one ymm register (or a pair of 128-bit ones)
 constexpr int kKeys = 4;    // 4 x 3 = 12 accumulators of 16 registers
 #endif
 constexpr int kVecs = 3;  // score_group and weigh_group spell out three vectors
@@ -61,22 +60,13 @@ constexpr int kRows = kVecs * kLanes;
 constexpr int kTile = 64;   // keys per softmax tile; a multiple of kKeys
 static_assert(kTile % kKeys == 0, "a tile holds whole key groups");
 
-typedef float vec __attribute__((vector_size(kLanes * 4)));
-typedef int32_t ivec __attribute__((vector_size(kLanes * 4)));
+using vec = kvgate::f32xw;
+using ivec = kvgate::i32xw;
+constexpr auto load = kvgate::loadw;
+constexpr auto store = kvgate::storew;
+constexpr auto splat = kvgate::splatw;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
-
-// x - 0 is x for every float (-0 included), so GCC emits a plain broadcast; x + 0 is not x for -0,
-// and cost a scalar add before every broadcast of the inner loops (~3 % of a 64-row chunk's time)
-inline vec splat(float x) { return x - vec{}; }
 
 // exp with the clamp of vec_math.h (same polynomial as every other exp of the kernels)
 inline vec exp_vec(vec x) {

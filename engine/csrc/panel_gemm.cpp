@@ -31,29 +31,22 @@
 #include <cstring>
 #include <utility>
 
+#include "vec_math.h"
+
 namespace {
 
+constexpr int kLanes = kvgate::kWideLanes;
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
 constexpr int kMaxRows = 14;  // 14 x 2 = 28 accumulators of 32 zmm registers (12 and 8 measured slower)
 #else
-constexpr int kLanes = 8;
 constexpr int kMaxRows = 6;   // 6 x 2 = 12 accumulators of 16 ymm registers
 #endif
 constexpr int kWidth = 2 * kLanes;  // output columns per panel
 
-typedef float vec __attribute__((vector_size(kLanes * 4)));
-
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
-
-// x - 0 is x for every float (-0 included), so this is a plain broadcast (x + 0 is not: -0 + 0 = +0)
-inline vec splat(float x) { return x - vec{}; }
+using vec = kvgate::f32xw;
+constexpr auto load = kvgate::loadw;
+constexpr auto store = kvgate::storew;
+constexpr auto splat = kvgate::splatw;
 
 // y[r][0..cols) = x[r] . panel + bias for the R rows at x; `ahead`: a panel to prefetch, or null.
 template <int R>
