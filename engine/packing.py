@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 _PACK_HINT_ROWS = 16  # oneDNN picks its blocking for this many rows; any row count works
 _CALIBRATION_ROWS = 1024  # a prefill-sized matmul, timed once per model to choose the kernel
 _MKL_ROWS = 512  # where MKL won the calibration, it takes matmuls from this many rows on
+_MKL_MARGIN = 0.93  # ... and only where it took at most this share of oneDNN's time
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -184,8 +185,8 @@ def _calibration_layers(model: nn.Module, packed: list[PackedLinear]) -> list[Pa
 
 def _calibrate(layers: list[PackedLinear], repeats: int = 3) -> int | None:
     """Time ``layers`` (the model's own weights) at a prefill-sized row count with both kernels
-    (per layer, best of ``repeats``; summed): `_MKL_ROWS` (MKL from there on) if MKL is faster,
-    else None (oneDNN for every size)."""
+    (per layer, one untimed call each, then best of ``repeats``; summed): `_MKL_ROWS` (MKL from
+    there on) if MKL is clearly faster (`_choose`), else None (oneDNN for every size)."""
     gen = torch.Generator().manual_seed(0)
     kernels: dict[str, Callable[[PackedLinear, torch.Tensor], torch.Tensor]] = {
         "onednn": lambda layer, x: layer.onednn(x), "mkl": lambda layer, x: F.linear(x, layer.weight, layer.bias)}
@@ -193,6 +194,8 @@ def _calibrate(layers: list[PackedLinear], repeats: int = 3) -> int | None:
     with torch.inference_mode():
         for layer in layers:
             x = torch.randn(_CALIBRATION_ROWS, layer.in_features, dtype=layer.weight.dtype, generator=gen)
+            for run in kernels.values():  # a kernel's first call per shape sets it up (oneDNN: its primitive)
+                run(layer, x)
             best = dict.fromkeys(kernels, float("inf"))
             for _ in range(repeats):  # the kernels alternate, so a busy moment hits both
                 for name, run in kernels.items():
@@ -201,7 +204,16 @@ def _calibrate(layers: list[PackedLinear], repeats: int = 3) -> int | None:
                     best[name] = min(best[name], time.perf_counter() - t0)
             for name in total:
                 total[name] += best[name]
-    return _MKL_ROWS if total["mkl"] < total["onednn"] else None
+    return _choose(total)
+
+
+def _choose(seconds: dict[str, float]) -> int | None:
+    """MKL from `_MKL_ROWS` rows only where it took at most `_MKL_MARGIN` of oneDNN's time. Where
+    MKL won, it won by 3-10 % (an Intel Xeon; 10 % on a Zen 3 without AVX-512); where it lost, by
+    2.3x (Zen 5: MKL does not pick its AVX-512 kernels on AMD) — and one start on a noisy Zen 5 VM
+    timed oneDNN that slow for a while, chose MKL by 3 %, and that process's 2,048-token prompts
+    took 2.4 s instead of 1.3. A wrong MKL costs up to 2.3x, a wrong oneDNN under 7 %."""
+    return _MKL_ROWS if seconds["mkl"] <= _MKL_MARGIN * seconds["onednn"] else None
 
 
 def _pack_children(parent: nn.Module, dtype: torch.dtype) -> int:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.packing import PackedLinear, _calibrate, pack_model, packing_supported
+from engine.packing import _MKL_ROWS, PackedLinear, _calibrate, _choose, pack_model, packing_supported
 
 pytestmark = pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.float32),
                                 reason="oneDNN weight packing is not available in this torch build")
@@ -39,6 +39,12 @@ def test_calibration_chooses_a_kernel_and_pack_model_applies_it() -> None:
     assert _calibrate(packed, repeats=1) in (512, None)
     with torch.inference_mode():
         assert torch.allclose(model(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_mkl_takes_many_rows_only_where_it_was_clearly_faster() -> None:
+    assert _choose({"onednn": 1.0, "mkl": 0.88}) == _MKL_ROWS
+    assert _choose({"onednn": 1.0, "mkl": 0.96}) is None  # within a noisy start's error: keep oneDNN
+    assert _choose({"onednn": 1.0, "mkl": 2.3}) is None  # AMD: MKL without its AVX-512 kernels
 
 
 def test_calibration_times_each_decoder_shape_once_and_never_the_output_head(tiny_model_dir) -> None:
