@@ -297,7 +297,8 @@ def test_panel_linear_matches_f_linear(rows: int, out_features: int, in_features
     x = torch.randn(rows, in_features, generator=gen)
     weight, bias = torch.randn(out_features, in_features, generator=gen), torch.randn(out_features, generator=gen)
     panels = ops.pack_panels(weight)
-    tol = 1e-5 * max(1.0, in_features ** 0.5)  # fp32 sums of in_features products, in another order
+    # fp32 sums of in_features products, in another order than F.linear: 1e-5 up to 64 of them
+    tol = 1e-5 * max(1.0, (in_features / 64) ** 0.5)
     assert panels.shape[1] == in_features and panels.shape[0] * panels.shape[2] >= out_features
     torch.testing.assert_close(ops.panel_linear(x, panels, bias, out_features), F.linear(x, weight, bias),
                                rtol=tol, atol=tol)
