@@ -10,7 +10,7 @@ attention. `FastDecoder` runs the same arithmetic as one short loop per layer:
     rope_write_kv(q, k, v)                           # rotary in place + K/V into the paged pool
     h           = o_proj(attend(q, k, v))            # engine.attention (native kernel or SDPA)
     x, residual = add_rms_norm(h, residual)
-    h           = down(silu_mul(gate_up(x)))
+    h           = down(silu_mul(gate_up(x)))       # SiLU in the matmul's epilogue (packing.py)
 
 With the native CPU ops (engine.kernels, float32) each fused step is one op; without them (no
 compiler, CUDA, bfloat16) the same steps run as the PyTorch ops transformers' modules use.
@@ -43,7 +43,8 @@ class _ConcatLinear(nn.Module):
     weight: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, layers: list[Any]) -> None:
+    def __init__(self, layers: list[Any], gated: bool = False) -> None:
+        """``gated``: the layers are a gated MLP's gate and up projections, in that order."""
         super().__init__()
         weight = torch.cat([layer.weight for layer in layers]).detach()
         biases: list[torch.Tensor | None] = [layer.bias for layer in layers]
@@ -53,6 +54,7 @@ class _ConcatLinear(nn.Module):
         if all(isinstance(layer, PackedLinear) for layer in layers):
             packed = PackedLinear(weight, bias)
             packed.mkl_rows = layers[0].mkl_rows  # type: ignore[assignment]
+            packed.gated = int(layers[0].weight.shape[0]) if gated else None
             self.impl: nn.Module | None = packed
         else:
             self.impl = None
@@ -137,7 +139,7 @@ class FastDecoder:
         if isinstance(mlp, FusedGateUpMLP):
             gate_up, down = mlp.gate_up, mlp.down
         else:
-            gate_up, down = _ConcatLinear([mlp.gate_proj, mlp.up_proj]), mlp.down_proj
+            gate_up, down = _ConcatLinear([mlp.gate_proj, mlp.up_proj], gated=True), mlp.down_proj
         return _Layer(
             index=index, input_norm=layer.input_layernorm.weight,
             input_eps=float(layer.input_layernorm.variance_epsilon),
@@ -174,7 +176,7 @@ class FastDecoder:
                 attn = attend(meta, layer.index, q, k, v, layer.scaling)
             h = layer.o_proj(attn.view(total, q_width))
             x = self._rms_norm(h, residual, layer.post_norm, layer.post_eps)
-            h = layer.down(self._silu_mul(layer.gate_up(x)))
+            h = layer.down(self._gated_act(layer.gate_up, x))
             if i + 1 < len(self.layers):
                 nxt = self.layers[i + 1]
                 x = self._rms_norm(h, residual, nxt.input_norm, nxt.input_eps)
@@ -209,6 +211,16 @@ class FastDecoder:
         q.copy_(q * c + rotate_half(q) * s)
         k.copy_(k * c + rotate_half(k) * s)
         write_kv(meta, layer, k, v)
+
+    def _gated_act(self, gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up: in the panel kernel's epilogue where the layer has gated panels
+        (`PackedLinear.silu_mul`), else the matmul and then the activation."""
+        impl = gate_up.impl if isinstance(gate_up, _ConcatLinear) else gate_up
+        if isinstance(impl, PackedLinear):
+            fused = impl.silu_mul(x)
+            if fused is not None:
+                return fused
+        return self._silu_mul(gate_up(x))
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.native is not None:

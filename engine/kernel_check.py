@@ -28,7 +28,7 @@ def first_mismatch(ops: Any) -> str | None:
         return torch.randn(*shape, generator=gen)
 
     for name, check in (("silu_mul", _silu_mul), ("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm),
-                        ("panel_linear", _panel_linear),
+                        ("panel_linear", _panel_linear), ("gated_panel_linear", _gated_panel_linear),
                         ("rope_write_kv", _rope_write_kv),
                         ("paged_attention", _paged_attention), ("chunk_attention", _chunk_attention)):
         try:
@@ -68,6 +68,15 @@ def _panel_linear(ops: Any, rand: Any) -> None:
     panels = ops.pack_panels(weight)
     _close(ops.panel_linear(x, panels, bias, 37), F.linear(x, weight, bias))
     _close(ops.panel_linear(x, panels, None, 37), F.linear(x, weight))
+
+
+def _gated_panel_linear(ops: Any, rand: Any) -> None:
+    # gate and up of 21 outputs each: a partial panel with either vector width
+    x, weight, bias = rand(19, 24), rand(42, 24), rand(42)
+    panels = ops.pack_panels(weight, True)
+    full = F.linear(x, weight, bias)
+    _close(ops.gated_panel_linear(x, panels, bias, 21, False), full)
+    _close(ops.gated_panel_linear(x, panels, bias, 21, True), F.silu(full[:, :21]) * full[:, 21:])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,7 @@ class NativeOps:
     silu_mul: Callable[..., torch.Tensor]
     pack_panels: Callable[..., torch.Tensor]
     panel_linear: Callable[..., torch.Tensor]
+    gated_panel_linear: Callable[..., torch.Tensor]
 
 
 def _cpu_flags() -> str:
@@ -122,7 +123,8 @@ def _build_and_load() -> NativeOps | None:
         ns: Any = torch.ops.kvgate
         ops = NativeOps(paged_attention=ns.paged_attention, chunk_attention=ns.chunk_attention, add_rms_norm=ns.add_rms_norm, rms_norm=ns.rms_norm,
                         rope_write_kv=ns.rope_write_kv, silu_mul=ns.silu_mul,
-                        pack_panels=ns.pack_panels, panel_linear=ns.panel_linear)
+                        pack_panels=ns.pack_panels, panel_linear=ns.panel_linear,
+                        gated_panel_linear=ns.gated_panel_linear)
     except Exception as exc:  # a compiler error, a missing header, a broken cache folder
         lines = str(exc).strip().splitlines() or [""]
         reason = next((line for line in lines if "error" in line), lines[0])

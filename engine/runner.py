@@ -51,7 +51,7 @@ class ModelRunner:
         if fast_decoder and FastDecoder.unsupported(model) is None:
             self.fast = FastDecoder(model, native)
         if native is not None:
-            use_panel_kernel(self.modules(), native.panel_linear, native.pack_panels)
+            use_panel_kernel(self.modules(), native.panel_linear, native.pack_panels, native.gated_panel_linear)
 
     def modules(self) -> list[torch.nn.Module]:
         """Every module a step runs: the model's and the fast decoder's own fused layers."""

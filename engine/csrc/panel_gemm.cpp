@@ -48,10 +48,17 @@ constexpr auto load = kvgate::loadw;
 constexpr auto store = kvgate::storew;
 constexpr auto splat = kvgate::splatw;
 
-// y[r][0..cols) = x[r] . panel + bias for the R rows at x; `ahead`: a panel to prefetch, or null.
-template <int R>
+// What a tile writes: its 2 x kLanes outputs as they are (kPlain); from a gated layer's panel
+// (`pack_panels(w, gated=true)`: kLanes gate outputs, then the kLanes up outputs they pair with)
+// the gate half to y and the up half to y_up (kSplit), or SiLU(gate) * up to y (kSiluMul).
+enum class Out { kPlain, kSplit, kSiluMul };
+
+// The outputs of the R rows at x for one panel; `cols`: valid outputs (of kWidth for kPlain, of
+// kLanes per half otherwise); bias (bias_up: of the up half) or null; `ahead`: a panel to
+// prefetch, or null.
+template <int R, Out out>
 void tile(const float* x, int64_t ldx, const float* panel, int64_t K, const float* ahead, const float* bias,
-          float* y, int64_t ldy, int64_t cols) {
+          const float* bias_up, float* y, float* y_up, int64_t ldy, int64_t cols) {
   vec acc[R][2];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vec{};
@@ -71,84 +78,139 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t K, const floa
   for (int r = 0; r < R; ++r) {
     store(row, acc[r][0]);
     store(row + kLanes, acc[r][1]);
+    if (out == Out::kPlain) {
+      if (bias != nullptr)
+        for (int64_t j = 0; j < cols; ++j) row[j] += bias[j];
+      std::memcpy(y + r * ldy, row, cols * sizeof(float));
+      continue;
+    }
     if (bias != nullptr)
-      for (int64_t j = 0; j < cols; ++j) row[j] += bias[j];
-    std::memcpy(y + r * ldy, row, cols * sizeof(float));
+      for (int64_t j = 0; j < cols; ++j) {
+        row[j] += bias[j];
+        row[kLanes + j] += bias_up[j];
+      }
+    if (out == Out::kSplit) {
+      std::memcpy(y + r * ldy, row, cols * sizeof(float));
+      std::memcpy(y_up + r * ldy, row + kLanes, cols * sizeof(float));
+    } else {
+      store(row, kvgate::silu_mul_w(load(row), load(row + kLanes)));
+      std::memcpy(y + r * ldy, row, cols * sizeof(float));
+    }
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, const float*, float*, int64_t, int64_t);
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, const float*, const float*,
+                        float*, float*, int64_t, int64_t);
 
-template <int... Rs>
+template <Out out, int... Rs>
 constexpr TileFn tile_for(int rows, std::integer_sequence<int, Rs...>) {
-  constexpr TileFn tiles[] = {&tile<Rs + 1>...};
+  constexpr TileFn tiles[] = {&tile<Rs + 1, out>...};
   return tiles[rows - 1];
 }
 
-at::Tensor pack_panels(const at::Tensor& weight) {
+// Panels of `weight` [N, K]: panel p holds outputs p * kWidth ... (columns past N zero). `gated`:
+// the weight is a gated MLP's gate rows over its up rows ([2 I, K]), and panel p holds gate outputs
+// p * kLanes ... then the up outputs of the same indices, so one tile has both halves of each.
+at::Tensor pack_panels(const at::Tensor& weight, bool gated) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
               "pack_panels takes a 2-D float32 CPU weight [out_features, in_features]");
+  TORCH_CHECK(!gated || weight.size(0) % 2 == 0, "pack_panels: a gated weight stacks gate and up rows (",
+              weight.size(0), " rows is odd)");
   const at::Tensor w = weight.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), P = (N + kWidth - 1) / kWidth;
+  const int64_t N = w.size(0), K = w.size(1), half = N / 2;
+  const int64_t P = gated ? (half + kLanes - 1) / kLanes : (N + kWidth - 1) / kWidth;
   at::Tensor out = at::zeros({P, K, kWidth}, w.options());
   const float* src = w.data_ptr<float>();
   float* dst = out.data_ptr<float>();
+  // the weight row behind column j of panel p, or -1 for a zero column
+  const auto source_row = [&](int64_t p, int64_t j) -> int64_t {
+    if (!gated) return p * kWidth + j < N ? p * kWidth + j : -1;
+    const int64_t i = p * kLanes + j % kLanes;
+    return i < half ? (j < kLanes ? i : half + i) : -1;
+  };
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t cols = std::min<int64_t>(kWidth, N - p * kWidth);
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t j = 0; j < cols; ++j) dst[(p * K + k) * kWidth + j] = src[(p * kWidth + j) * K + k];
-    }
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t j = 0; j < kWidth; ++j) {
+        const int64_t n = source_row(p, j);
+        if (n < 0) continue;
+        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kWidth + j] = src[n * K + k];
+      }
   });
   return out;
 }
 
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                        int64_t out_features) {
+// x [M, K] times panels; `out`: what the tiles write (a gated layer's halves split into [M, 2 I]
+// for kSplit, SiLU(gate) * up [M, I] for kSiluMul). out_features: N (kPlain) or I.
+at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                      int64_t out_features, Out out, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(1) == 1,
-              "panel_linear: x must be a 2-D float32 CPU tensor with contiguous rows");
+              name, ": x must be a 2-D float32 CPU tensor with contiguous rows");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kWidth && panels.is_contiguous() &&
                   panels.scalar_type() == at::kFloat,
-              "panel_linear: panels must come from this build's pack_panels ([P, K, ", kWidth, "])");
+              name, ": panels must come from this build's pack_panels ([P, K, ", kWidth, "])");
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), N = out_features;
-  TORCH_CHECK(panels.size(1) == K, "panel_linear: x has ", K, " features, the panels ", panels.size(1));
-  TORCH_CHECK(N > (P - 1) * kWidth && N <= P * kWidth, "panel_linear: ", P, " panels cannot hold ", N, " outputs");
+  const int64_t per_panel = out == Out::kPlain ? kWidth : kLanes;  // outputs per panel
+  TORCH_CHECK(panels.size(1) == K, name, ": x has ", K, " features, the panels ", panels.size(1));
+  TORCH_CHECK(N > (P - 1) * per_panel && N <= P * per_panel, name, ": ", P, " panels cannot hold ", N, " outputs");
+  const int64_t bias_len = out == Out::kPlain ? N : 2 * N;
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
-                "panel_linear: bias must be a contiguous float32 [", N, "]");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == bias_len && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
+                name, ": bias must be a contiguous float32 [", bias_len, "]");
     b = bias->data_ptr<float>();
   }
-  at::Tensor y = at::empty({M, N}, x.options());
+  const int64_t width = out == Out::kSplit ? 2 * N : N;  // y's columns
+  at::Tensor y = at::empty({M, width}, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0);
+  const auto tiles = std::make_integer_sequence<int, kMaxRows>{};
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const float* panel = wp + p * K * kWidth;
       const float* ahead = p + 2 < P ? panel + 2 * K * kWidth : nullptr;
-      const int64_t cols = std::min<int64_t>(kWidth, N - p * kWidth);
+      const int64_t c0 = p * per_panel, cols = std::min<int64_t>(per_panel, N - c0);
+      const float* bp = b == nullptr ? nullptr : b + c0;
+      const float* bu = b == nullptr || out == Out::kPlain ? nullptr : b + N + c0;
       for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - r0));
-        tile_for(rows, std::make_integer_sequence<int, kMaxRows>{})(
-            xp + r0 * ldx, ldx, panel, K, r0 == 0 ? ahead : nullptr, b == nullptr ? nullptr : b + p * kWidth,
-            yp + r0 * N + p * kWidth, N, cols);
+        const TileFn fn = out == Out::kPlain ? tile_for<Out::kPlain>(rows, tiles)
+                          : out == Out::kSplit ? tile_for<Out::kSplit>(rows, tiles)
+                                               : tile_for<Out::kSiluMul>(rows, tiles);
+        float* yr = yp + r0 * width + c0;
+        fn(xp + r0 * ldx, ldx, panel, K, r0 == 0 ? ahead : nullptr, bp, bu, yr, out == Out::kSplit ? yr + N : nullptr,
+           width, cols);
       }
     }
   });
   return y;
 }
 
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                        int64_t out_features) {
+  return run_panels(x, panels, bias, out_features, Out::kPlain, "panel_linear");
+}
+
+// A gated MLP's gate and up projections from `pack_panels(w, gated=true)` panels: with `silu`,
+// SiLU(gate) * up [M, intermediate] (the activation in the matmul's epilogue: no [M, 2 I]
+// intermediate written and read back), else gate | up [M, 2 intermediate] as x w^T would give.
+at::Tensor gated_panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                              int64_t intermediate, bool silu) {
+  return run_panels(x, panels, bias, intermediate, silu ? Out::kSiluMul : Out::kSplit, "gated_panel_linear");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvgate, m) {
-  m.def("pack_panels(Tensor weight) -> Tensor");
+  m.def("pack_panels(Tensor weight, bool gated=False) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+  m.def("gated_panel_linear(Tensor x, Tensor panels, Tensor? bias, int intermediate, bool silu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgate, CPU, m) {
   m.impl("pack_panels", &pack_panels);
   m.impl("panel_linear", &panel_linear);
+  m.impl("gated_panel_linear", &gated_panel_linear);
 }

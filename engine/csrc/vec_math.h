@@ -42,14 +42,18 @@ inline float exp_clamped(float x) {
 // SiLU's clamped path (x / (1 + exp(88))) made a denormal on every vector, each a microcode
 // assist on Intel CPUs: SiLU*mul ran 8x slower than PyTorch's on a Sapphire Rapids (not on Zen 3,
 // which has no such assists). Here the clamp is a select on the vector: no lane takes a path.
-inline f32x8 exp_clamped(f32x8 x) {
-  const f32x8 lo = f32x8{} - 87.0f, hi = f32x8{} + 88.0f;
-  f32x8 v = x < lo ? lo : x;
+// V a float vector type, I the int32 vector type of as many lanes.
+template <typename V, typename I>
+inline V exp_clamped_lanes(V x) {
+  const V lo = V{} - 87.0f, hi = V{} + 88.0f;
+  V v = x < lo ? lo : x;
   v = v > hi ? hi : v;
-  f32x8 k;
-  const f32x8 p = exp_reduced(v, k);
-  return p * reinterpret_cast<f32x8>((__builtin_convertvector(k, i32x8) + 127) << 23);
+  V k;
+  const V p = exp_reduced(v, k);
+  return p * reinterpret_cast<V>((__builtin_convertvector(k, I) + 127) << 23);
 }
+
+inline f32x8 exp_clamped(f32x8 x) { return exp_clamped_lanes<f32x8, i32x8>(x); }
 
 inline f32x8 load8(const float* p) {
   f32x8 v;
@@ -80,5 +84,8 @@ inline void storew(float* p, f32xw v) { std::memcpy(p, &v, sizeof v); }
 // is not x for -0, and cost a scalar add before every broadcast of the kernels' inner loops
 // (~3 % of a 64-row attention chunk's time)
 inline f32xw splatw(float x) { return x - f32xw{}; }
+
+// SiLU(g) * u lane by lane: what fused_ops.cpp's silu_mul computes for each element.
+inline f32xw silu_mul_w(f32xw g, f32xw u) { return g / (1.0f + exp_clamped_lanes<f32xw, i32xw>(-g)) * u; }
 
 }  // namespace kvgate

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import platform
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -327,6 +328,48 @@ def test_panel_linear_refuses_what_does_not_fit() -> None:
 
 
 @needs_ops
+@pytest.mark.parametrize("rows", [1, 6, 7, 15, 64])
+@pytest.mark.parametrize("intermediate,in_features", [(48, 64), (49, 576), (17, 40), (1, 8)])
+def test_gated_panel_linear_matches_the_matmul_and_silu(rows: int, intermediate: int, in_features: int) -> None:
+    # gate|up of 16/32-column panels exactly, one output more, one output; rows around both tiles
+    assert ops is not None
+    gen = torch.Generator().manual_seed(rows * 1000 + intermediate)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight, bias = torch.randn(2 * intermediate, in_features, generator=gen), torch.randn(2 * intermediate, generator=gen)
+    panels = ops.pack_panels(weight, True)
+    tol = 1e-5 * max(1.0, (in_features / 64) ** 0.5)
+    for b in (bias, None):
+        full = F.linear(x, weight, b)
+        gate, up = full[:, :intermediate], full[:, intermediate:]
+        torch.testing.assert_close(ops.gated_panel_linear(x, panels, b, intermediate, False), full, rtol=tol, atol=tol)
+        # SiLU(g) * u: the product's error grows with |u|
+        torch.testing.assert_close(ops.gated_panel_linear(x, panels, b, intermediate, True), F.silu(gate) * up,
+                                   rtol=tol, atol=tol * float(up.abs().max()))
+    wide = torch.randn(rows, in_features + 3, generator=gen)[:, :in_features]  # rows with a stride
+    full = F.linear(wide, weight)
+    torch.testing.assert_close(ops.gated_panel_linear(wide, panels, None, intermediate, True),
+                               F.silu(full[:, :intermediate]) * full[:, intermediate:],
+                               rtol=tol, atol=tol * float(full[:, intermediate:].abs().max()))
+
+
+@needs_ops
+def test_gated_panel_linear_refuses_what_does_not_fit() -> None:
+    assert ops is not None
+    weight = torch.randn(40, 24)
+    panels = ops.pack_panels(weight, True)
+    with pytest.raises(RuntimeError, match=r"gate and up rows \(41 rows is odd\)"):
+        ops.pack_panels(torch.randn(41, 24), True)
+    with pytest.raises(RuntimeError, match="cannot hold 40 outputs"):
+        ops.gated_panel_linear(torch.randn(3, 24), panels, None, 40, True)  # 20 gate outputs, not 40
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32 \\[40\\]"):
+        ops.gated_panel_linear(torch.randn(3, 24), panels, torch.randn(20), 20, True)  # gate and up biases
+    with pytest.raises(RuntimeError, match="x has 23 features, the panels 24"):
+        ops.gated_panel_linear(torch.randn(3, 23), panels, None, 20, False)
+    assert ops.gated_panel_linear(torch.randn(0, 24), panels, None, 20, True).shape == (0, 20)
+    assert ops.gated_panel_linear(torch.randn(0, 24), panels, None, 20, False).shape == (0, 40)
+
+
+@needs_ops
 def test_packed_layers_take_the_panel_kernel_up_to_panel_rows() -> None:
     from engine.packing import PackedLinear, use_panel_kernel
 
@@ -355,6 +398,35 @@ def test_packed_layers_take_the_panel_kernel_up_to_panel_rows() -> None:
         use_panel_kernel([layer], ops.panel_linear)
 
 
+@needs_ops
+def test_a_gated_mlp_takes_the_activation_into_the_panel_kernel() -> None:
+    from engine.packing import FusedGateUpMLP, use_panel_kernel
+
+    assert ops is not None
+    mlp = SimpleNamespace(gate_proj=torch.nn.Linear(32, 40), up_proj=torch.nn.Linear(32, 40),
+                          down_proj=torch.nn.Linear(40, 32), act_fn=torch.nn.SiLU())
+    fused = FusedGateUpMLP(mlp)
+    layer = fused.gate_up
+    assert layer.gated == 40 and layer.silu_mul(torch.randn(3, 32)) is None  # no kernel yet
+    assert use_panel_kernel([layer, fused.down], ops.panel_linear, ops.pack_panels, ops.gated_panel_linear) == 2
+    assert layer.gated_panel is not None and fused.down.gated_panel is None  # only the gated layer pairs
+    with torch.inference_mode():
+        for rows in (1, 16, layer.panel_rows, layer.panel_rows + 1):
+            x = torch.randn(2, rows, 32)[1]
+            gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+            # the layer's own output stays gate | up, whichever kernel runs
+            torch.testing.assert_close(layer(x), torch.cat([gate, up], -1), rtol=1e-5, atol=1e-5)
+            act = layer.silu_mul(x)
+            if rows <= layer.panel_rows:
+                assert act is not None
+                torch.testing.assert_close(act, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+            else:
+                assert act is None  # oneDNN's matmul, then the activation, for many rows
+            torch.testing.assert_close(fused(x), mlp.down_proj(F.silu(gate) * up), rtol=1e-5, atol=1e-5)
+    use_panel_kernel([layer], None)
+    assert layer.gated_panel is None and layer.silu_mul(torch.randn(3, 32)) is None
+
+
 def _off_by_a_little(name: str, real):
     """`real` with its result (or, for the in-place ops, what it writes) off by 0.01 in one place."""
     def wrong(*args):
@@ -377,8 +449,8 @@ def test_self_check_accepts_this_build() -> None:
 
 
 @needs_ops
-@pytest.mark.parametrize("name", ["silu_mul", "rms_norm", "add_rms_norm", "panel_linear", "rope_write_kv",
-                                  "paged_attention", "chunk_attention"])
+@pytest.mark.parametrize("name", ["silu_mul", "rms_norm", "add_rms_norm", "panel_linear", "gated_panel_linear",
+                                  "rope_write_kv", "paged_attention", "chunk_attention"])
 def test_self_check_names_an_op_that_computes_wrong_values(name: str) -> None:
     import dataclasses
 
