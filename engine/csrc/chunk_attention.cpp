@@ -8,7 +8,8 @@
 // horizontal operation:
 //
 //   row tile  R query rows of one KV head: the rows of all G query heads that share it
-//             (row j = token j / G, head j % G); R = 3 vectors of lanes (48 with AVX-512)
+//             (row j = token j / G, head j % G); R = 3 vectors of lanes (48 with AVX-512); a
+//             tile with fewer rows computes only the vectors that hold some (12 rows: one)
 //   Q^T  [D][R]     the tile's queries, scaled (and by log2(e): the softmax runs on 2^x), packed once
 //   per tile of 64 keys, in order (online softmax):
 //     S^T  [keys][R] = K . Q^T     each key's D values broadcast from the pool against Q^T's
@@ -116,38 +117,41 @@ struct Unit {
   int64_t span, kv_head, row0, rows, keys;  // rows j in [row0, row0 + rows); keys: visible to the last row
 };
 
-// One tile of kRows query rows and its running softmax.
+// One tile of up to kRows query rows and its running softmax; `vecs` of its kVecs vectors of rows
+// hold real rows (a tile of 12 rows computes one vector, not three).
 struct RowTile {
   std::vector<float> qt, ot;  // Q^T [D][R] (scaled), O^T [D][R]
   vec m[kVecs], l[kVecs], pos[kVecs];
   int64_t first_pos = 0, keys = 0;  // position of its first row; keys its last row sees
+  int vecs = kVecs;
 };
 
-// S^T[t][r] = sum_d K[t][d] Q^T[d][r] for the kKeys keys at `keys` (keys k0 .. k0 + kKeys - 1);
-// with `masked`, scores of keys past a row's position become -inf. `mt` takes the running max.
-template <bool masked>
+// S^T[t][r] = sum_d K[t][d] Q^T[d][r] for the kKeys keys at `keys` (keys k0 .. k0 + kKeys - 1),
+// the first V vectors of rows; with `masked`, scores of keys past a row's position become -inf.
+// `mt` takes the running max.
+template <int V, bool masked>
 inline void score_group(const float* const* keys, const float* qt, int64_t D, float* s, int64_t k0,
                         const vec* pos, vec* mt) {
-  vec acc[kKeys][kVecs];
+  vec acc[kKeys][V];
 #pragma GCC unroll 8
   for (int u = 0; u < kKeys; ++u)
 #pragma GCC unroll 3
-    for (int v = 0; v < kVecs; ++v) acc[u][v] = vec{};
+    for (int v = 0; v < V; ++v) acc[u][v] = vec{};
   for (int64_t d = 0; d < D; ++d) {
-    const float* b = qt + d * kRows;
-    const vec b0 = load(b), b1 = load(b + kLanes), b2 = load(b + 2 * kLanes);
+    vec b[V];
+#pragma GCC unroll 3
+    for (int v = 0; v < V; ++v) b[v] = load(qt + d * kRows + v * kLanes);
 #pragma GCC unroll 8
     for (int u = 0; u < kKeys; ++u) {
       const vec a = splat(keys[u][d]);
-      acc[u][0] += a * b0;
-      acc[u][1] += a * b1;
-      acc[u][2] += a * b2;
+#pragma GCC unroll 3
+      for (int v = 0; v < V; ++v) acc[u][v] += a * b[v];
     }
   }
 #pragma GCC unroll 8
   for (int u = 0; u < kKeys; ++u)
 #pragma GCC unroll 3
-    for (int v = 0; v < kVecs; ++v) {
+    for (int v = 0; v < V; ++v) {
       vec x = acc[u][v];
       if (masked) x = splat(static_cast<float>(k0 + u)) > pos[v] ? splat(kNegInf) : x;
       mt[v] = vmax(mt[v], x);
@@ -155,31 +159,71 @@ inline void score_group(const float* const* keys, const float* qt, int64_t D, fl
     }
 }
 
-// O^T[d0 + u][r] = O^T[d0 + u][r] * alpha[r] + sum_t V[t][d0 + u] P^T[t][r] for u < kKeys, t < n
-// (O^T taken as zero when `first`).
+// O^T[d0 + u][r] = O^T[d0 + u][r] * alpha[r] + sum_t V[t][d0 + u] P^T[t][r] for u < kKeys, t < n,
+// the first V vectors of rows (O^T taken as zero when `first`).
+template <int V>
 inline void weigh_group(const float* const* values, const float* p, int64_t n, int64_t d0, float* ot,
                         const vec* alpha, bool first) {
-  vec acc[kKeys][kVecs];
+  vec acc[kKeys][V];
 #pragma GCC unroll 8
   for (int u = 0; u < kKeys; ++u)
 #pragma GCC unroll 3
-    for (int v = 0; v < kVecs; ++v) acc[u][v] = first ? vec{} : load(ot + (d0 + u) * kRows + v * kLanes) * alpha[v];
+    for (int v = 0; v < V; ++v) acc[u][v] = first ? vec{} : load(ot + (d0 + u) * kRows + v * kLanes) * alpha[v];
   for (int64_t t = 0; t < n; ++t) {
-    const float* b = p + t * kRows;
-    const vec b0 = load(b), b1 = load(b + kLanes), b2 = load(b + 2 * kLanes);
+    vec b[V];
+#pragma GCC unroll 3
+    for (int v = 0; v < V; ++v) b[v] = load(p + t * kRows + v * kLanes);
     const float* row = values[t] + d0;
 #pragma GCC unroll 8
     for (int u = 0; u < kKeys; ++u) {
       const vec a = splat(row[u]);
-      acc[u][0] += a * b0;
-      acc[u][1] += a * b1;
-      acc[u][2] += a * b2;
+#pragma GCC unroll 3
+      for (int v = 0; v < V; ++v) acc[u][v] += a * b[v];
     }
   }
 #pragma GCC unroll 8
   for (int u = 0; u < kKeys; ++u)
 #pragma GCC unroll 3
-    for (int v = 0; v < kVecs; ++v) store(ot + (d0 + u) * kRows + v * kLanes, acc[u][v]);
+    for (int v = 0; v < V; ++v) store(ot + (d0 + u) * kRows + v * kLanes, acc[u][v]);
+}
+
+// Row tile `rt` (its first V vectors of rows) over the key tile at k0 whose first `padded` keys
+// (whole key groups) are at krow/vrow: scores, online softmax, weighing. `st`: scratch S^T/P^T.
+template <int V>
+void tile_over_keys(RowTile& rt, const float* const* krow, const float* const* vrow, int64_t k0, int64_t padded,
+                    int64_t D, float* st) {
+  const bool masked = k0 + padded - 1 > rt.first_pos;  // some key lies after some row's position
+  vec mt[V];
+  for (int v = 0; v < V; ++v) mt[v] = rt.m[v];
+  if (masked)
+    for (int64_t i = 0; i < padded; i += kKeys)
+      score_group<V, true>(krow + i, rt.qt.data(), D, st + i * kRows, k0 + i, rt.pos, mt);
+  else
+    for (int64_t i = 0; i < padded; i += kKeys)
+      score_group<V, false>(krow + i, rt.qt.data(), D, st + i * kRows, k0 + i, rt.pos, mt);
+  vec alpha[V];
+  for (int v = 0; v < V; ++v) {
+    alpha[v] = exp2_vec(rt.m[v] - mt[v]);  // the first tile: 2^(-inf) ~ 0, times l = 0; O^T starts at zero
+    rt.m[v] = mt[v];
+    vec sum{};
+    if (masked)  // masked keys hold -inf: exactly zero weight
+      for (int64_t i = 0; i < padded; ++i) {
+        float* row = st + i * kRows + v * kLanes;
+        const vec x = load(row);
+        const vec p = x == splat(kNegInf) ? vec{} : exp2_vec(x - mt[v]);
+        store(row, p);
+        sum += p;
+      }
+    else
+      for (int64_t i = 0; i < padded; ++i) {
+        float* row = st + i * kRows + v * kLanes;
+        const vec p = exp2_vec(load(row) - mt[v]);
+        store(row, p);
+        sum += p;
+      }
+    rt.l[v] = rt.l[v] * alpha[v] + sum;
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += kKeys) weigh_group<V>(vrow, st, padded, d0, rt.ot.data(), alpha, k0 == 0);
 }
 
 at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -250,6 +294,7 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         }
         rt.first_pos = first + row0 / G;
         rt.keys = first + (row0 + rows - 1) / G + 1;
+        rt.vecs = static_cast<int>((rows + kLanes - 1) / kLanes);
         for (int v = 0; v < kVecs; ++v) {
           rt.m[v] = splat(kNegInf);
           rt.l[v] = vec{};
@@ -279,48 +324,23 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const
           RowTile& rt = tiles[t];
           if (k0 >= rt.keys) continue;  // a causal tile that ends before these keys
           // whole key groups; keys past this tile's last row (real ones of a later row tile, or
-          // zero rows) lie after every row's position, so the mask below gives them weight 0
+          // zero rows) lie after every row's position, so the mask gives them weight 0
           const int64_t kt = std::min<int64_t>(tile_end, rt.keys) - k0;
           const int64_t padded = (kt + kKeys - 1) / kKeys * kKeys;
-          const bool masked = k0 + padded - 1 > rt.first_pos;  // some key lies after some row's position
-          vec mt[kVecs] = {rt.m[0], rt.m[1], rt.m[2]};
-          if (masked)
-            for (int64_t i = 0; i < padded; i += kKeys)
-              score_group<true>(krow.data() + i, rt.qt.data(), D, st + i * kRows, k0 + i, rt.pos, mt);
+          static_assert(kVecs == 3, "the dispatch below spells out 1 to 3 vectors");
+          if (rt.vecs == 3)
+            tile_over_keys<3>(rt, krow.data(), vrow.data(), k0, padded, D, st);
+          else if (rt.vecs == 2)
+            tile_over_keys<2>(rt, krow.data(), vrow.data(), k0, padded, D, st);
           else
-            for (int64_t i = 0; i < padded; i += kKeys)
-              score_group<false>(krow.data() + i, rt.qt.data(), D, st + i * kRows, k0 + i, rt.pos, mt);
-          vec alpha[kVecs];
-          for (int v = 0; v < kVecs; ++v) {
-            alpha[v] = exp2_vec(rt.m[v] - mt[v]);  // the first tile: 2^(-inf) ~ 0, times l = 0; O^T starts at zero
-            rt.m[v] = mt[v];
-            vec sum{};
-            if (masked)  // masked keys hold -inf: exactly zero weight
-              for (int64_t i = 0; i < padded; ++i) {
-                float* row = st + i * kRows + v * kLanes;
-                const vec x = load(row);
-                const vec p = x == splat(kNegInf) ? vec{} : exp2_vec(x - mt[v]);
-                store(row, p);
-                sum += p;
-              }
-            else
-              for (int64_t i = 0; i < padded; ++i) {
-                float* row = st + i * kRows + v * kLanes;
-                const vec p = exp2_vec(load(row) - mt[v]);
-                store(row, p);
-                sum += p;
-              }
-            rt.l[v] = rt.l[v] * alpha[v] + sum;
-          }
-          float* ot = rt.ot.data();
-          for (int64_t d0 = 0; d0 < D; d0 += kKeys) weigh_group(vrow.data(), st, padded, d0, ot, alpha, k0 == 0);
+            tile_over_keys<1>(rt, krow.data(), vrow.data(), k0, padded, D, st);
         }
       }
       for (int64_t t = 0; t < ntiles; ++t) {
         const RowTile& rt = tiles[t];
         const int64_t row0 = unit.row0 + t * kRows, rows = std::min<int64_t>(kRows, unit.row0 + unit.rows - row0);
         float inv[kRows];
-        for (int v = 0; v < kVecs; ++v) store(inv + v * kLanes, splat(1.0f) / rt.l[v]);
+        for (int v = 0; v < rt.vecs; ++v) store(inv + v * kLanes, splat(1.0f) / rt.l[v]);
         const float* ot = rt.ot.data();
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t j = row0 + r;
