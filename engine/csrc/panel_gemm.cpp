@@ -18,6 +18,11 @@
 //
 // Shapes: x [M, K] (any row stride, unit column stride); panels [P, K, kWidth] from
 // `pack_panels` (columns past N zero); bias [N] or none. Returns [M, N].
+//
+// A gated MLP's gate|up weight [2 I, K] packed with `pack_panels(w, gated=true)` pairs gate output
+// i with up output i in one panel (first vector gate, second up), so `gated_panel_linear` can
+// write SiLU(gate) * up [M, I] from the accumulators, or gate | up [M, 2 I] as the plain matmul
+// would. Those panels only make sense to `gated_panel_linear` (the shapes cannot tell them apart).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
