@@ -63,7 +63,7 @@ constexpr int kKeys = 8;    // 8 keys x 3 vectors = 24 accumulators of 32 regist
 #else
 constexpr int kKeys = 4;    // 4 x 3 = 12 accumulators of 16 registers
 #endif
-constexpr int kVecs = 3;  // score_group and weigh_group spell out three vectors
+constexpr int kVecs = 3;  // vectors of rows in a full row tile (tiles take 1 to kVecs: tile_over_keys)
 constexpr int kRows = kVecs * kLanes;
 constexpr int kTile = 64;   // keys per softmax tile; a multiple of kKeys
 static_assert(kTile % kKeys == 0, "a tile holds whole key groups");
