@@ -106,7 +106,7 @@ inline vec exp2_vec(vec x) {
 #if defined(__AVX512F__)
   return reinterpret_cast<vec>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), k));
 #else
-  return p * reinterpret_cast<vec>((__builtin_convertvector(k, ivec) + 127) << 23);
+  return kvgate::times_pow2<vec, ivec>(p, k);
 #endif
 }
 

@@ -156,10 +156,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const float* u = g + n;
       float* o = op + r * n;
       int64_t i = 0;
-      for (; i + 8 <= n; i += 8) {
-        const kvgate::f32x8 gv = kvgate::load8(g + i);
-        kvgate::store8(o + i, gv / (1.0f + kvgate::exp_clamped(-gv)) * kvgate::load8(u + i));
-      }
+      for (; i + 8 <= n; i += 8)
+        kvgate::store8(o + i, kvgate::silu_mul_lanes<kvgate::f32x8, kvgate::i32x8>(kvgate::load8(g + i), kvgate::load8(u + i)));
       for (; i < n; ++i) o[i] = g[i] / (1.0f + kvgate::exp_clamped(-g[i])) * u[i];
     }
   });

@@ -98,7 +98,7 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t K, const floa
       std::memcpy(y + r * ldy, row, cols * sizeof(float));
       std::memcpy(y_up + r * ldy, row + kLanes, cols * sizeof(float));
     } else {
-      store(row, kvgate::silu_mul_w(load(row), load(row + kLanes)));
+      store(row, kvgate::silu_mul_lanes<vec, kvgate::i32xw>(load(row), load(row + kLanes)));
       std::memcpy(y + r * ldy, row, cols * sizeof(float));
     }
   }

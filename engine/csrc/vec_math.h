@@ -37,12 +37,18 @@ inline float exp_clamped(float x) {
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(k) + 127) << 23);
 }
 
-// The same for eight lanes. Loops whose result divides by the exp use this form: from the scalar
+// p * 2^k lane by lane, for k integral in [-126, 127], 2^k built in the exponent. V a float
+// vector type, I the int32 vector type of as many lanes.
+template <typename V, typename I>
+inline V times_pow2(V p, V k) {
+  return p * reinterpret_cast<V>((__builtin_convertvector(k, I) + 127) << 23);
+}
+
+// The same exp on vectors. Loops whose result divides by the exp use this form: from the scalar
 // form GCC if-converted the clamp into per-range paths computed on every lane and blended, and
 // SiLU's clamped path (x / (1 + exp(88))) made a denormal on every vector, each a microcode
 // assist on Intel CPUs: SiLU*mul ran 8x slower than PyTorch's on a Sapphire Rapids (not on Zen 3,
 // which has no such assists). Here the clamp is a select on the vector: no lane takes a path.
-// V a float vector type, I the int32 vector type of as many lanes.
 template <typename V, typename I>
 inline V exp_clamped_lanes(V x) {
   const V lo = V{} - 87.0f, hi = V{} + 88.0f;
@@ -50,10 +56,13 @@ inline V exp_clamped_lanes(V x) {
   v = v > hi ? hi : v;
   V k;
   const V p = exp_reduced(v, k);
-  return p * reinterpret_cast<V>((__builtin_convertvector(k, I) + 127) << 23);
+  return times_pow2<V, I>(p, k);
 }
 
-inline f32x8 exp_clamped(f32x8 x) { return exp_clamped_lanes<f32x8, i32x8>(x); }
+// SiLU(g) * u lane by lane: fused_ops.cpp's silu_mul on 8 lanes, the panel kernel's gated epilogue
+// on its wide vectors.
+template <typename V, typename I>
+inline V silu_mul_lanes(V g, V u) { return g / (1.0f + exp_clamped_lanes<V, I>(-g)) * u; }
 
 inline f32x8 load8(const float* p) {
   f32x8 v;
@@ -84,8 +93,5 @@ inline void storew(float* p, f32xw v) { std::memcpy(p, &v, sizeof v); }
 // is not x for -0, and cost a scalar add before every broadcast of the kernels' inner loops
 // (~3 % of a 64-row attention chunk's time)
 inline f32xw splatw(float x) { return x - f32xw{}; }
-
-// SiLU(g) * u lane by lane: what fused_ops.cpp's silu_mul computes for each element.
-inline f32xw silu_mul_w(f32xw g, f32xw u) { return g / (1.0f + exp_clamped_lanes<f32xw, i32xw>(-g)) * u; }
 
 }  // namespace kvgate
