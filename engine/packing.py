@@ -90,14 +90,15 @@ class PackedLinear(nn.Module):
         self.gated: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if self.panel is not None and rows.shape[0] <= self.panel_rows:
-            rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        rows = self._panel_input(x)
+        if rows is not None:
             if self.gated_panel is not None:
                 y = self.gated_panel(rows, self.panels, self.bias, self.gated, False)
             else:
+                assert self.panel is not None  # _panel_input returned rows
                 y = self.panel(rows, self.panels, self.bias, self.out_features)
             return y.reshape(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, self.in_features)
         if self.mkl_rows is not None and rows.shape[0] >= self.mkl_rows:
             return F.linear(x, self.weight, self.bias)
         return self.onednn(rows.contiguous()).reshape(*x.shape[:-1], self.out_features)
@@ -107,12 +108,20 @@ class PackedLinear(nn.Module):
         computed in the panel kernel's epilogue: no [rows, 2 x gated] output written and read back
         (a 64-row chunk through SmolLM2's 30 MLPs 34.4 → 33.0 ms on a Zen 4). None where the layer
         cannot: not gated, no gated panels, or more than `panel_rows` rows."""
-        rows = x.reshape(-1, self.in_features)
-        if self.gated_panel is None or rows.shape[0] > self.panel_rows:
+        if self.gated_panel is None or self.gated is None:
             return None
-        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-        assert self.gated is not None
+        rows = self._panel_input(x)
+        if rows is None:
+            return None
         return self.gated_panel(rows, self.panels, self.bias, self.gated, True).reshape(*x.shape[:-1], self.gated)
+
+    def _panel_input(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x`` as rows with a unit column stride, for the panel kernel; None where the kernel
+        does not take it (none attached, or more than `panel_rows` rows)."""
+        rows = x.reshape(-1, self.in_features)
+        if self.panel is None or rows.shape[0] > self.panel_rows:
+            return None
+        return rows if rows.stride(-1) == 1 else rows.contiguous()
 
     def onednn(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` [n, in_features], contiguous, times the packed weight."""
