@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine.telemetry import SECONDS, Histogram
 
 access_logger = logging.getLogger("kvgate.access")
+UVICORN_LOGGER, SERVER_LOGGER = "uvicorn.error", "kvgate.server"
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 QUIET_PATHS = frozenset({"/health", "/ready"})
@@ -44,9 +45,28 @@ def configure_logging(level: str = "info") -> None:
     Also the engine process's initializer. When stderr is not a terminal (a log file, journald,
     a pipe) progress bars are turned off: their carriage-return redraws run together into one
     unreadable line there, and KVGate logs each step of a download or conversion as a line anyway.
+    uvicorn's own lines are KVGate's server lines (`ServerLogFilter`).
     """
     logging.basicConfig(level=level.upper(), format=_LOG_FORMAT)
+    server_logger = logging.getLogger(UVICORN_LOGGER)
+    if not any(isinstance(f, ServerLogFilter) for f in server_logger.filters):
+        server_logger.addFilter(ServerLogFilter())
     progress_bars_only_on_terminal()
+
+
+class ServerLogFilter(logging.Filter):
+    """uvicorn logs its start and stop steps at INFO from a logger named `uvicorn.error`
+    ("Started server process", "Application startup complete." while the model is still
+    loading): under KVGate's own name (`kvgate.server`) and at DEBUG, since `app.cli` and
+    `app.main` already log when the server listens and when it is ready. Its warnings and
+    errors (a malformed request, an exception in the app) keep their level."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.name = SERVER_LOGGER
+        if record.levelno == logging.INFO:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(SERVER_LOGGER).isEnabledFor(logging.DEBUG)
+        return True
 
 
 def progress_bars_only_on_terminal() -> None:

@@ -10,29 +10,41 @@ blocks exactly, as the traced requests did, and nothing else. Requests go out at
 
 What a synthetic prompt cannot repeat: reuse of a previous answer's tokens (a chat turn that
 quotes the model's last reply), since the replayed answers are other tokens.
+
+HTTP goes through the standard library (`http.client`, `urllib`): `kvgate trace` works with the
+base install, whose HTTP clients (httpx, in the dev extra) are not there. Replay requests run in
+a pool of `concurrency` threads, each with its own keep-alive connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import math
 import os
 import random
+import socket
 import sys
+import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, TextIO
-
-import httpx
 
 from app.trace import MOONCAKE_BLOCK_TOKENS
 
 EXIT_FAILED = 1  # the server could not be reached, refused the key, or some requests failed
 EXIT_USAGE = 2  # a bad file or argument: fix the command and rerun
 
+CONNECT_TIMEOUT_S, READ_TIMEOUT_S = 10.0, 600.0
+# what fails to reach a server or breaks a connection: refused, reset, timed out, a garbled reply
+TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
 TOKEN_LOW, TOKEN_HIGH = 100, 1000  # synthetic token ids: inside any vocabulary, above most special tokens
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
@@ -111,21 +123,132 @@ def _unreachable(url: str, exc: Exception) -> TraceError:
                       f"(kvgate serve) or pass the right --url", EXIT_FAILED)
 
 
-def _http_error(what: str, response: httpx.Response, key_hint: str) -> TraceError:
-    if response.status_code == 401:
-        return TraceError(f"{what}: the server wants an API key ({_error_message(response)}); pass "
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A whole HTTP response, read."""
+
+    status: int
+    reason: str
+    text: str
+    headers: dict[str, str]
+
+    def json(self) -> Any:
+        return json.loads(self.text)
+
+
+def _http_error(what: str, reply: Reply, key_hint: str) -> TraceError:
+    if reply.status == 401:
+        return TraceError(f"{what}: the server wants an API key ({_error_message(reply)}); pass "
                           f"--api-key {key_hint} or set KVGATE_API_KEY", EXIT_FAILED)
-    if response.status_code == 404:
+    if reply.status == 404:
         return TraceError(f"{what}: not found (404): is --url a KVGate server?", EXIT_FAILED)
-    return TraceError(f"{what}: the server answered {response.status_code}: {_error_message(response)}",
-                      EXIT_FAILED)
+    return TraceError(f"{what}: the server answered {reply.status}: {_error_message(reply)}", EXIT_FAILED)
 
 
-def _error_message(response: httpx.Response) -> str:
+def _error_message(reply: Reply) -> str:
     try:
-        return str(response.json()["error"]["message"])
+        return str(reply.json()["error"]["message"])
     except Exception:
-        return response.text.strip()[:200] or response.reason_phrase
+        return reply.text.strip()[:200] or reply.reason
+
+
+def http_get(url: str, headers: dict[str, str], timeout: float) -> Reply:
+    """GET ``url``; an error status is a `Reply` too, a transport failure one of `TRANSPORT_ERRORS`."""
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return Reply(response.status, response.reason, response.read().decode("utf-8", "replace"),
+                         dict(response.headers.items()))
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return Reply(exc.code, str(exc.reason), exc.read().decode("utf-8", "replace"), dict(exc.headers.items()))
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        raise reason if isinstance(reason, OSError) else ConnectionError(str(reason)) from None
+
+
+class Client:
+    """Blocking HTTP/1.1 to one server, one keep-alive connection per thread.
+
+    A connection the server closed while it sat idle (uvicorn drops them after 5 s) fails on
+    reuse before any reply: the request is then sent once more on a new connection.
+    """
+
+    def __init__(self, root: str, headers: dict[str, str]) -> None:
+        parts = urllib.parse.urlsplit(root)
+        self._https = parts.scheme == "https"
+        self._host, self._port = parts.hostname or "127.0.0.1", parts.port
+        self._prefix = parts.path.rstrip("/")
+        self._headers = headers
+        self._local = threading.local()
+        self._all: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection, and whether it served a request before."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn, True
+        kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        conn = kind(self._host, self._port, timeout=CONNECT_TIMEOUT_S)
+        conn.connect()
+        assert conn.sock is not None
+        conn.sock.settimeout(READ_TIMEOUT_S)
+        self._local.conn = conn
+        with self._lock:
+            self._all.append(conn)
+        return conn, False
+
+    def drop(self) -> None:
+        """Close this thread's connection (after a failure that left it mid-reply)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    def open(self, method: str, path: str, body: Any = None) -> http.client.HTTPResponse:
+        """Send a request; returns the response with its body unread (read it all before the
+        next request of this thread)."""
+        data = None if body is None else json.dumps(body).encode()
+        headers = {**self._headers, **({"Content-Type": "application/json"} if data is not None else {})}
+        while True:
+            conn, reused = self._connection()
+            try:
+                conn.request(method, self._prefix + path, body=data, headers=headers)
+                response = conn.getresponse()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self.drop()
+                if reused:
+                    continue
+                raise
+            except BaseException:
+                self.drop()
+                raise
+            if response.will_close:
+                self._local.conn = None  # the server closes it after this reply
+            return response
+
+    def get(self, path: str) -> Reply:
+        try:
+            with self.open("GET", path) as response:
+                return Reply(response.status, response.reason, response.read().decode("utf-8", "replace"),
+                             dict(response.getheaders()))
+        except BaseException:
+            self.drop()
+            raise
+
+    def close(self) -> None:
+        """Close every connection, also those a thread is reading from (they fail at once)."""
+        with self._lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            conn.close()
 
 
 # ------------------------------------------------------------------ export
@@ -139,14 +262,15 @@ def export(url: str, api_key: str | None, out: str, limit: int | None, block_tok
     if limit is not None:
         params["limit"] = limit
     try:
-        response = httpx.get(f"{root}/admin/trace", params=params, headers=auth_headers(api_key), timeout=120)
-    except httpx.TransportError as exc:
+        response = http_get(f"{root}/admin/trace?{urllib.parse.urlencode(params)}", auth_headers(api_key), 120)
+    except TRANSPORT_ERRORS as exc:
         raise _unreachable(root, exc) from None
-    if response.status_code != 200:
+    if response.status != 200:
         raise _http_error("GET /admin/trace", response, "<admin key>")
     body = response.text
     count = body.count("\n")
-    used = response.headers.get("X-KVGate-Block-Tokens", str(block_tokens))
+    used = next((value for name, value in response.headers.items() if name.lower() == "x-kvgate-block-tokens"),
+                str(block_tokens))
     if out == "-":
         sys.stdout.write(body)
         sys.stdout.flush()
@@ -295,11 +419,10 @@ def _check_options(options: ReplayOptions) -> None:
 
 async def _replay(lines: list[TraceLine], options: ReplayOptions, stderr: TextIO) -> Summary:
     root = base_url(options.url)
-    limits = httpx.Limits(max_connections=options.concurrency, max_keepalive_connections=options.concurrency)
-    timeout = httpx.Timeout(600.0, connect=10.0)
-    async with httpx.AsyncClient(base_url=root, headers=auth_headers(options.api_key), timeout=timeout,
-                                 limits=limits) as client:
-        model, max_len = await _server_model(client, root, options.model)
+    client = Client(root, auth_headers(options.api_key))
+    pool = ThreadPoolExecutor(max_workers=options.concurrency, thread_name_prefix="kvgate-replay")
+    try:
+        model, max_len = _server_model(client, root, options.model)
         summary = Summary(requests=len(lines), context=max_len)
         progress = Progress(len(lines), stderr)
         gate = asyncio.Semaphore(options.concurrency)
@@ -312,20 +435,23 @@ async def _replay(lines: list[TraceLine], options: ReplayOptions, stderr: TextIO
                     await asyncio.sleep(delay)
             await gate.acquire()  # requests start in trace order, at most `concurrency` at a time
             body = _request_body(line, index, model, max_len, options, summary)
-            tasks.append(asyncio.create_task(_run_one(client, body, gate, summary, progress)))
+            tasks.append(asyncio.create_task(_run_one(pool, client, body, gate, summary, progress)))
         await asyncio.gather(*tasks)
         summary.duration_s = time.perf_counter() - start
         progress.close()
+    finally:
+        client.close()  # also ends the requests of an interrupted replay
+        pool.shutdown(wait=True, cancel_futures=True)
     return summary
 
 
-async def _server_model(client: httpx.AsyncClient, root: str, model: str | None) -> tuple[str, int | None]:
+def _server_model(client: Client, root: str, model: str | None) -> tuple[str, int | None]:
     """The model to ask for and the server's context length, from `GET /v1/models`."""
     try:
-        response = await client.get("/v1/models")
-    except httpx.TransportError as exc:
+        response = client.get("/v1/models")
+    except TRANSPORT_ERRORS as exc:
         raise _unreachable(root, exc) from None
-    if response.status_code != 200:
+    if response.status != 200:
         raise _http_error("GET /v1/models", response, "<tenant key>")
     cards = response.json().get("data") or []
     card = next((c for c in cards if model is None or c.get("id") == model), None)
@@ -354,11 +480,11 @@ def _request_body(line: TraceLine, index: int, model: str, max_len: int | None, 
             "stream_options": {"include_usage": True}}
 
 
-async def _run_one(client: httpx.AsyncClient, body: dict[str, Any], gate: asyncio.Semaphore,
+async def _run_one(pool: ThreadPoolExecutor, client: Client, body: dict[str, Any], gate: asyncio.Semaphore,
                    summary: Summary, progress: Progress) -> None:
     try:
-        outcome = await _stream(client, body)
-    except (httpx.HTTPError, ValueError) as exc:  # transport failures, a malformed event
+        outcome = await asyncio.get_running_loop().run_in_executor(pool, _stream, client, body)
+    except (*TRANSPORT_ERRORS, ValueError) as exc:  # transport failures, a malformed event
         outcome = Outcome(error=f"{type(exc).__name__}: {exc}")
     finally:
         gate.release()
@@ -373,27 +499,38 @@ async def _run_one(client: httpx.AsyncClient, body: dict[str, Any], gate: asynci
     progress.update(failed=outcome.error is not None)
 
 
-async def _stream(client: httpx.AsyncClient, body: dict[str, Any]) -> Outcome:
-    """One streamed completion: time to the first token, and the final usage chunk."""
+def _stream(client: Client, body: dict[str, Any]) -> Outcome:
+    """One streamed completion (on a pool thread): time to the first token, and the final usage chunk."""
     outcome = Outcome()
     sent = time.perf_counter()
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return Outcome(error=f"{response.status_code}: {_error_message(response)}")
-        async for raw in response.aiter_lines():
-            if not raw.startswith("data: ") or raw == "data: [DONE]":
-                continue
-            chunk = json.loads(raw[6:])
-            if "error" in chunk:
-                return Outcome(error=f"stream error: {chunk['error'].get('message')}")
-            if chunk.get("choices") and outcome.ttft_s is None:
-                outcome.ttft_s = time.perf_counter() - sent
-            usage = chunk.get("usage")
-            if usage:
-                outcome.prompt_tokens = usage.get("prompt_tokens", 0)
-                outcome.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return outcome
+    try:
+        with client.open("POST", "/v1/completions", body) as response:
+            if response.status != 200:
+                reply = Reply(response.status, response.reason, response.read().decode("utf-8", "replace"), {})
+                return Outcome(error=f"{reply.status}: {_error_message(reply)}")
+            _read_events(response, outcome, sent)
+    except BaseException:
+        client.drop()  # a connection left mid-reply cannot carry the next request
+        raise
+    return Outcome(error=outcome.error) if outcome.error else outcome
+
+
+def _read_events(response: http.client.HTTPResponse, outcome: Outcome, sent: float) -> None:
+    """The server-sent events of a completion stream, into ``outcome``."""
+    for line in response:
+        raw = line.decode("utf-8").rstrip("\r\n")
+        if not raw.startswith("data: ") or raw == "data: [DONE]":
+            continue
+        chunk = json.loads(raw[6:])
+        if "error" in chunk:  # read on to the end all the same: the connection carries the next request
+            outcome.error = outcome.error or f"stream error: {chunk['error'].get('message')}"
+            continue
+        if chunk.get("choices") and outcome.ttft_s is None:
+            outcome.ttft_s = time.perf_counter() - sent
+        usage = chunk.get("usage")
+        if usage:
+            outcome.prompt_tokens = usage.get("prompt_tokens", 0)
+            outcome.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 class Progress:

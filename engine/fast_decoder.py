@@ -97,10 +97,14 @@ class FastDecoder:
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
-        dtype = self.final_norm.dtype
-        self.native = native if native is not None and dtype == torch.float32 and \
-            self.final_norm.device.type == "cpu" else None
+        self.native: NativeOps | None = None
+        self.use_native(native)
         self.layers = [self._layer(i, layer) for i, layer in enumerate(decoder.layers)]
+
+    def use_native(self, native: NativeOps | None) -> None:
+        """Run the fused steps on ``native`` (CPU float32 models only), or on PyTorch's ops (None)."""
+        usable = self.final_norm.dtype == torch.float32 and self.final_norm.device.type == "cpu"
+        self.native = native if usable else None
 
     def modules(self) -> list[nn.Module]:
         """The modules this decoder made (the fused q/k/v and gate/up layers) and their children."""

@@ -10,6 +10,11 @@ Commands (tuples, first element the kind):
     ("stats", token)           ("tiers", token, action, tier, options)   ("shutdown",)
 Events out, through the `emit` callable:
     ("out", list[SeqOutput])   ("fail", request_id, FailInfo)   ("reply", token, value)
+
+On a machine without a build of the native CPU kernels the engine starts on PyTorch's ops while
+the compiler runs in the background (engine.kernels.KernelBuild); between two steps, once it is
+done, the loop loads and self-checks the build here and switches every part of the step to it
+at once (`ModelRunner.use_native`), so no step runs on half of each.
 """
 
 from __future__ import annotations
@@ -94,10 +99,30 @@ class EngineLoop:
                         self._abort_all()
                         return
                 core.poll_loads()
+                self.switch_kernels()
                 if core.has_work():
                     self.step()
         finally:
+            build = getattr(core, "kernel_build", None)
+            if build is not None:  # stopped before the kernels were built: stop the compiler too
+                build.cancel()
             core.close()
+
+    def switch_kernels(self) -> bool:
+        """Between two steps: once the background build of the native kernels is done, load and
+        self-check it on this thread (it runs torch ops, like every step) and run the next steps
+        on it. True when the kernels were switched in by this call."""
+        build = getattr(self.core, "kernel_build", None)
+        if build is None or not build.done():
+            return False
+        self.core.kernel_build = None
+        ops = build.take()  # None: the build failed or computes wrong values (logged); PyTorch stays
+        if ops is None:
+            return False
+        self.core.runner.use_native(ops)
+        logger.info("native CPU kernels in use from now on (compiled in %.0f s in the background); "
+                    "later starts on this machine load them at once", build.seconds or 0.0)
+        return True
 
     def handle(self, command: Command) -> bool:
         """Apply one command; False means shut down."""

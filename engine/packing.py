@@ -168,8 +168,9 @@ def pack_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> in
         mkl_rows = _calibrate(_calibration_layers(model, packed))
         for layer in packed:
             layer.mkl_rows = mkl_rows
-        logger.info("packed %d linear layers for oneDNN; many-row matmuls use %s", replaced,
-                    "oneDNN too" if mkl_rows is None else f"MKL from {mkl_rows} rows")
+        # a detail of how the matmuls run, for whoever measures them (docs/engine.md)
+        logger.debug("packed %d linear layers for oneDNN; many-row matmuls use %s", replaced,
+                     "oneDNN too" if mkl_rows is None else f"MKL from {mkl_rows} rows")
     return replaced
 
 

@@ -29,12 +29,8 @@ class ModelRunner:
         ``fast_decoder``: run Llama-family models through `FastDecoder` rather than transformers'
         modules (same arithmetic, fewer ops)."""
         self.model = model
-        if storage.device.type != "cpu" or storage.dtype != torch.float32:
-            native = None  # the native ops are CPU float32 kernels
-        self.paged_kernel: Callable[..., torch.Tensor] | None = native.paged_attention if native is not None else None
-        # many-row prefill chunks; head sizes the kernel's tiles take (a multiple of 8)
-        self.chunk_kernel: Callable[..., torch.Tensor] | None = \
-            native.chunk_attention if native is not None and storage.keys(0).shape[-1] % 8 == 0 else None
+        self.paged_kernel: Callable[..., torch.Tensor] | None = None
+        self.chunk_kernel: Callable[..., torch.Tensor] | None = None
         self.storage = storage
         self.block_size = storage.block_size
         self.device = storage.device
@@ -49,9 +45,26 @@ class ModelRunner:
         # the fast decoder's last layer computes only the rows that sample (past writing its K/V)
         self.trim_last_layer = True
         if fast_decoder and FastDecoder.unsupported(model) is None:
-            self.fast = FastDecoder(model, native)
+            self.fast = FastDecoder(model, None)
+        self.use_native(native)
+
+    def use_native(self, native: NativeOps | None) -> None:
+        """Run every part of a step on ``native`` (None: on PyTorch's ops alone), all switched
+        together: the attention kernels, the fast decoder's fused steps and the packed layers'
+        matmul. The engine switches between two steps, on the thread that runs them, so a step
+        runs wholly on one set of ops (engine/loop.py). Packing the panels takes a moment."""
+        if self.storage.device.type != "cpu" or self.storage.dtype != torch.float32:
+            native = None  # the native ops are CPU float32 kernels
+        self.paged_kernel = native.paged_attention if native is not None else None
+        # many-row prefill chunks; head sizes the kernel's tiles take (a multiple of 8)
+        self.chunk_kernel = native.chunk_attention if native is not None and \
+            self.storage.keys(0).shape[-1] % 8 == 0 else None
+        if self.fast is not None:
+            self.fast.use_native(native)
         if native is not None:
             use_panel_kernel(self.modules(), native.panel_linear, native.pack_panels, native.gated_panel_linear)
+        else:
+            use_panel_kernel(self.modules(), None)
 
     def modules(self) -> list[torch.nn.Module]:
         """Every module a step runs: the model's and the fast decoder's own fused layers."""
