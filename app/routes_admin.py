@@ -70,10 +70,13 @@ async def get_tiers(engine: Engine) -> dict[str, Any]:
 async def change_tier(body: TierChange, engine: Engine) -> dict[str, Any]:
     """Attach or detach a tier while serving; the other tiers keep what they hold.
 
-    Options not given come from the server's configuration (`[cache.*]`).
+    Options not given come from the server's configuration (`[cache.*]`). A disk `path` must be
+    absolute, outside system folders and inside `[cache.disk] allowed_root` when that is set; a
+    remote store must answer, or it is not attached. The reply says what changed
+    (`{"ok", "action", "tier", ...}`); `GET /admin/tiers` has the counters.
     """
     options = body.model_dump(exclude={"action", "tier"}, exclude_none=True)
-    return {"tiers": await engine.configure_tier(body.action, body.tier, options)}
+    return await engine.configure_tier(body.action, body.tier, options)
 
 
 class PublicPrefixBody(BaseModel):

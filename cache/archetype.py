@@ -58,7 +58,8 @@ LOCALITY: Mapping[TierName, str] = {"device": "device", "host": "host", "disk": 
 _LIFETIME: Mapping[TierName, Lifetime] = {"host": "session", "disk": "persistent", "remote": "persistent"}
 
 #: Stats keys worth carrying into ``detail`` (the rest stays in /admin/metrics).
-_DETAIL_KEYS = ("blocks", "capacity_blocks", "policy", "path", "url", "breaker", "breaker_trips", "write")
+_DETAIL_KEYS = ("blocks", "capacity_blocks", "policy", "path", "url", "breaker", "breaker_trips", "write",
+                "unhealthy_reason")
 
 
 def substrate_of(tier: TierName, device_kind: DeviceKind) -> str:
@@ -98,7 +99,8 @@ class TierView:
         breaker = self.detail.get("breaker")
         if self.name == "remote" and breaker not in (None, "closed"):
             return f"remote tier configured but unreachable (circuit {breaker})"
-        return f"{self.name} tier configured but down"
+        why = self.detail.get("unhealthy_reason")
+        return f"{self.name} tier configured but down" + (f" ({why})" if why else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,14 +250,15 @@ def classify(view: HierarchyView) -> Archetype:
 
 
 def _tier_from_stats(name: TierName, stats: Mapping[str, Any], capacity: int | None, cluster: bool) -> TierView:
-    """A TierView from one entry of ``TierChain.snapshot()``. Health: only the remote tier has a
-    signal (its circuit breaker; "half-open" is still unconfirmed, so not healthy); host and disk
-    count errors but keep serving, so attached means healthy."""
-    detail = {k: stats[k] for k in _DETAIL_KEYS if k in stats}
+    """A TierView from one entry of ``TierChain.snapshot()``. Health: the remote tier's circuit
+    breaker ("half-open" is still unconfirmed, so not healthy), and a tier's own ``healthy`` where
+    it reports one (the disk: its folder is gone for good, or every reader is stuck); otherwise
+    errors are counted while the tier keeps serving, so attached means healthy."""
+    detail = {k: stats[k] for k in _DETAIL_KEYS if k in stats and stats[k] is not None}
     if name == "remote":  # its block counts are always 0 (unknown without a scan): not worth showing
         detail = {k: v for k, v in detail.items() if k not in ("blocks", "capacity_blocks")}
         detail["cluster"] = cluster
-    healthy = stats.get("breaker", "closed") == "closed"
+    healthy = stats.get("breaker", "closed") == "closed" and stats.get("healthy", True) is not False
     if capacity is None:
         # snapshot() has used bytes and blocks but not the block size: derive it once a block is in
         blocks, used, cap = stats.get("blocks") or 0, stats.get("bytes") or 0, stats.get("capacity_blocks") or 0

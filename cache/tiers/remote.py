@@ -347,5 +347,14 @@ class RemoteTier:
             self.stats.evictions += len(victims)
             self.unstored.extend(bytes.fromhex(v[len(self.prefix):]) for v in victims if v.startswith(self.prefix))
 
+    async def ping(self, timeout_s: float) -> None:
+        """Raise the connection error unless the store answers a PING within ``timeout_s`` (an
+        attach checks the store is there; the breaker is left alone)."""
+        try:
+            await asyncio.wait_for(self._connect().ping(), timeout_s)
+        except BaseException:
+            await self._reset()
+            raise
+
     async def close(self) -> None:
         await self._reset()

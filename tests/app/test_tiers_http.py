@@ -100,12 +100,14 @@ def test_tiers_attach_and_detach_on_a_running_server(start_server, tmp_path) -> 
     attach = httpx.post(url + "/admin/tiers", json={"action": "attach", "tier": "disk", "path": folder,
                                                     "capacity_mb": 64}, timeout=30)
     assert attach.status_code == 200, attach.text
-    assert attach.json()["tiers"]["disk"]["path"].startswith(folder)
+    assert attach.json()["path"].startswith(folder) and attach.json()["healthy"] is True
     for seed in (7, 8):  # push the prompt's blocks off the device into host
         _complete(url, _ids(seed, 600), max_tokens=1)
     detach = httpx.post(url + "/admin/tiers", json={"action": "detach", "tier": "host"}, timeout=30)
     assert detach.status_code == 200, detach.text
-    assert "host" not in detach.json()["tiers"] and detach.json()["tiers"]["disk"]["blocks"] >= 31
+    assert detach.json() == {"ok": True, "action": "detach", "tier": "host"}
+    tiers = _tiers(url)
+    assert "host" not in tiers and tiers["disk"]["blocks"] >= 31
     warm, cached = _complete(url, prompt)  # now from disk
     assert warm == cold and cached == 496
     # bad changes are 400s in the OpenAI error shape, and change nothing
