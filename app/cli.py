@@ -38,7 +38,11 @@ configuration:
   without transformers' modules)/metrics (TTFT parts and block lives in
   /admin/metrics; default true), [cache] block_size/eviction (lru|s3fifo),
   [cache.device] num_blocks, [cache.host] capacity_mb (0 = off), [cache.disk] path/capacity_mb
-  (0 = off), [cache.remote] url/cluster/ttl_s/write (through|back; section absent = off),
+  (0 = off)/persist (on_evict: a block is written when it leaves CPU memory, and all at a stop;
+  behind: also in the background as computed, so a crash loses only the last moments'; default
+  on_evict)/load_timeout_s (deadline of one batch of block reads; default 0.5)/allowed_root
+  (where POST /admin/tiers may attach a disk tier), [cache.remote] url/cluster/ttl_s/write
+  (through|back; section absent = off),
   [admin] api_key, [[tenants]] name/api_keys/share_group/quota, [[public_prefixes]]
   name/text|system|token_ids (shared by every tenant). Unknown keys are errors.
 
@@ -56,8 +60,10 @@ KV-cache tiers: device blocks evicted from the pool move to CPU memory (--host-c
   also shared through Redis with every replica on the same store. A later request with the same
   prefix loads them instead of recomputing, also after a restart.
 
-signals: SIGTERM or Ctrl-C drains: new requests get 503 with Retry-After while in-flight ones
-  get [server] shutdown_timeout_s to finish; then the server exits 0. A second one exits at once.
+signals: SIGTERM or Ctrl-C (SIGINT), to the server, to its engine process or to the whole
+  process group, drains: new requests get 503 with Retry-After while in-flight ones get
+  [server] shutdown_timeout_s to finish; the engine writes its cached blocks to the disk tier;
+  then the server exits 0. A second one exits at once (sent to the server).
   SIGHUP re-reads the config file's [[tenants]] and [admin] (as POST /admin/reload does): a removed
   key stops working at once, running requests finish; a broken file is logged and changes nothing.
 
@@ -90,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("--config", metavar="FILE", help="TOML configuration file (default: $KVGATE_CONFIG)")
     serve.add_argument("--model", metavar="PATH_OR_ID",
-                       help="model folder, hub id, 'tiny' (built test model) or 'default' "
-                            "(overrides [model] path)")
+                       help="any local Hugging Face folder (Llama, Qwen2, Mistral), a hub id, 'tiny' "
+                            "(built test model) or 'default' (SmolLM2-135M-Instruct from a 4-bit GGUF; "
+                            "overrides [model] path)")
     serve.add_argument("--host", metavar="H", help="address to bind (overrides [server] host; default 127.0.0.1)")
     serve.add_argument("--port", metavar="P", type=int, help="port to bind (overrides [server] port; default 8000)")
     serve.add_argument("--host-cache-mb", metavar="N", type=int,

@@ -94,6 +94,7 @@ async def _load_engine(app: FastAPI) -> None:
             await engine.shutdown(timeout_s=0)
             return
         engine.on_fatal = app.state.on_fatal
+        engine.on_stop = lambda name: _stop_requested(app, name)
         _serve_engine(app, engine)
     except Exception as exc:
         # One line: the message says what is wrong; the traceback only helps a developer.
@@ -125,6 +126,14 @@ def begin_drain(app: FastAPI) -> None:
     logger.info("draining: no new requests, in-flight ones get up to %ss to finish", timeout_s)
     state.drain_task = asyncio.ensure_future(engine.shutdown(timeout_s=timeout_s))
     state.drain_task.add_done_callback(lambda _task: _drained(app))
+
+
+def _stop_requested(app: FastAPI, signal_name: str) -> None:
+    """The engine process was sent SIGTERM/SIGINT (alone, or with this process as a group):
+    drain exactly as for a signal to this process."""
+    if not app.state.draining:
+        logger.info("the engine process got %s: draining as for a stop signal", signal_name)
+    begin_drain(app)
 
 
 def _drained(app: FastAPI) -> None:

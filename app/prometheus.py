@@ -185,15 +185,22 @@ def _tiers(tiers: dict[str, Any]) -> Iterator[Metric]:
                     "estimate (decides load vs recompute)", "tier",
                     ((n, tiers[n].get("load_bytes_per_s", 0.0)) for n in names))
     yield _labelled(GaugeMetricFamily, "kvgate_tier_up", "1 when the tier serves (remote: circuit breaker not "
-                    "open)", "tier", ((n, float(tiers[n].get("breaker", "closed") != "open")) for n in names))
+                    "open; disk: its folder usable and a reader thread free)", "tier",
+                    ((n, float(tiers[n].get("breaker", "closed") != "open" and tiers[n].get("healthy", True) is not False))
+                     for n in names))
     chain = tiers.get("chain", {})
     for field, doc in (("promotions", "Blocks copied up into the device pool from a lower tier"),
                        ("demotions", "Device blocks evicted into the lower tiers"),
                        ("prefetches", "Requests whose prefix was loaded from disk or remote before scheduling"),
                        ("prefetched_blocks", "Blocks loaded from disk or remote ahead of their request"),
                        ("recompute_chosen", "Lower-tier hits recomputed because loading was predicted slower"),
-                       ("dropped_writes", "Writes dropped by back-pressure")):
+                       ("dropped_writes", "Writes dropped by back-pressure"),
+                       ("flushed_blocks", "Blocks written to disk at shutdown or when host was detached"),
+                       ("recalled_blocks", "Blocks asked for while their disk write was in flight, served from it"),
+                       ("persisted_behind", "Blocks written to disk in the background (persist = behind)")):
         yield _counter(f"kvgate_chain_{field}", doc, chain.get(field, 0))
+    yield _gauge("kvgate_chain_unpersisted_blocks", "Blocks waiting for a background disk write (persist = behind)",
+                 chain.get("unpersisted_blocks", 0))
 
 
 def _gaps(g: dict[str, Any], timing: dict[str, Any]) -> Iterator[Metric]:

@@ -86,11 +86,25 @@ class HostCacheSettings(_Section):
 class DiskCacheSettings(_Section):
     path: str | None = None  # default: <KVGATE_CACHE_DIR>/kv
     capacity_mb: int = Field(default=10240, ge=0)  # 0 turns the disk tier off
+    # deadline of one batch of block reads; past it the request recomputes (a stalled disk hangs nothing)
+    load_timeout_s: float = Field(default=0.5, gt=0, le=60)
+    # where POST /admin/tiers may attach a disk tier (absolute; unset: anywhere but system folders)
+    allowed_root: str | None = None
+    # on_evict: a host block is written when it leaves host memory; behind: host blocks are also
+    # written in the background, so a crash loses only the last moments' blocks
+    persist: Literal["on_evict", "behind"] = "on_evict"
 
     def resolved_path(self) -> str:
         from engine.tiny_model import cache_root
 
         return self.path if self.path else str(cache_root() / "kv")
+
+    @field_validator("allowed_root")
+    @classmethod
+    def _absolute(cls, root: str | None) -> str | None:
+        if root is not None and not os.path.isabs(root):
+            raise ValueError("must be an absolute path")
+        return root
 
 
 class RemoteCacheSettings(_Section):
@@ -207,7 +221,10 @@ class Settings(_Section):
                 host_cache_mb=self.cache.host.capacity_mb,
                 disk_cache_path=self.cache.disk.resolved_path() if self.cache.disk.capacity_mb > 0 else None,
                 disk_cache_mb=max(1, self.cache.disk.capacity_mb),
+                disk_load_timeout_s=self.cache.disk.load_timeout_s,
+                disk_allowed_root=self.cache.disk.allowed_root,
                 tier_policy=self.cache.eviction,
+                disk_persist=self.cache.disk.persist,
                 flush_on_shutdown_s=min(10.0, self.server.shutdown_timeout_s + 5.0),
                 **self._remote_fields(),
             )

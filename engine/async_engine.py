@@ -82,6 +82,9 @@ class AsyncEngine:
         self.max_queue = max_queue
         self.max_restarts = max_restarts
         self.on_fatal: Callable[[BaseException], None] | None = None
+        # called (on the event loop) with the signal's name when the engine process was asked to stop
+        self.on_stop: Callable[[str], None] | None = None
+        self._early_stop: tuple[Any, ...] | None = None
         self.info: EngineInfo | None = None
         self.tokenizer: Any = None
         self.restarts: list[float] = []
@@ -153,6 +156,9 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._running = True
         self._accepting = True
+        if self._early_stop is not None:
+            self._loop.call_soon(self._handle_event, self._early_stop)
+            self._early_stop = None
 
     # ---- requests (event loop thread) -------------------------------------------------------
     @property
@@ -295,6 +301,8 @@ class AsyncEngine:
     def _on_event(self, event: tuple[Any, ...]) -> None:
         loop = self._loop
         if loop is None or loop.is_closed():
+            if event[0] == "stop":  # a stop signal while the model loaded: acted on in start()
+                self._early_stop = event
             return
         try:
             loop.call_soon_threadsafe(self._handle_event, event)
@@ -313,6 +321,9 @@ class AsyncEngine:
                 future.set_result(event[2])
         elif kind == "dead":
             self._on_dead(event[1])
+        elif kind == "stop":  # the engine process got SIGTERM/SIGINT: the server should drain
+            if self.on_stop is not None:
+                self.on_stop(event[1])
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         state = self._streams.pop(request_id, None)

@@ -213,8 +213,16 @@ class ProcessBackend:
 
 def engine_process_main(config: EngineConfig, commands: Connection, events: Connection, parent_pid: int,
                         initializer: Callable[..., None] | None, initargs: tuple[Any, ...]) -> None:
-    """Entry point of the engine process: load, report, then run the step loop on this thread."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the API process drains
+    """Entry point of the engine process: load, report, then run the step loop on this thread.
+
+    SIGTERM and SIGINT do not stop this process: the first one is passed on to the API process
+    as a ``("stop", signal name)`` event, which drains as if it had got the signal itself (it may
+    well have: a process manager signals the whole group), then sends ``shutdown``, and the loop
+    writes the cached blocks to disk before this process exits. Further signals are left to the
+    API process, whose second signal exits at once (and this process with it)."""
+    stop = _StopRequest()
+    signal.signal(signal.SIGTERM, stop.handle)
+    signal.signal(signal.SIGINT, stop.handle)
     _die_with_parent(parent_pid)
     if initializer is not None:
         initializer(*initargs)
@@ -230,6 +238,10 @@ def engine_process_main(config: EngineConfig, commands: Connection, events: Conn
 
     def receive(timeout: float) -> list[Command]:
         received: list[Command] = []
+        if stop.signal is not None and not stop.reported:
+            stop.reported = True
+            logging.getLogger(__name__).info("engine process got %s: asking the server to drain and stop", stop.signal)
+            emit(("stop", stop.signal))
         try:
             if not commands.poll(timeout):
                 return received
@@ -249,6 +261,18 @@ def engine_process_main(config: EngineConfig, commands: Connection, events: Conn
 
     EngineLoop(core, emit).run(receive)
     logging.getLogger(__name__).info("engine process stopped")
+
+
+class _StopRequest:
+    """The first stop signal the engine process got (set by the handler, read by the loop)."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.reported = False
+
+    def handle(self, sig: int, frame: Any) -> None:
+        if self.signal is None:
+            self.signal = signal.Signals(sig).name
 
 
 def _die_with_parent(parent_pid: int) -> None:

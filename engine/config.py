@@ -35,11 +35,14 @@ class EngineConfig:
     host_cache_mb: int = 0
     disk_cache_path: str | None = None
     disk_cache_mb: int = 10240
+    disk_load_timeout_s: float = 0.5  # deadline of one disk read batch; past it the request recomputes
+    disk_allowed_root: str | None = None  # where POST /admin/tiers may attach a disk tier (None: anywhere but system folders)
     tier_policy: str = "lru"  # lru | s3fifo, for host and disk
     # CPU: the host tier keeps its blocks in spare rows of the device pool's tensor and moves them
     # to and from the device by trading rows, not copying (docs/tiers.md, "One slab on CPU")
     share_host_slab: bool = True
     flush_on_shutdown_s: float = 10.0  # write device and host blocks to disk when stopping
+    disk_persist: str = "on_evict"  # on_evict | behind: also keep host blocks written to disk (cache.tiers.chain)
     remote_cache_url: str | None = None  # redis:// or rediss://
     remote_cluster: bool = False
     remote_ttl_s: int = 86400
@@ -56,8 +59,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.host_cache_mb < 0 or self.disk_cache_mb <= 0:
             raise ValueError("host_cache_mb must be >= 0 and disk_cache_mb > 0")
+        if not self.disk_load_timeout_s > 0:
+            raise ValueError(f"disk_load_timeout_s must be positive, got {self.disk_load_timeout_s!r}")
         if self.remote_write not in ("through", "back"):
             raise ValueError(f"remote_write must be through or back, got {self.remote_write!r}")
+        if self.disk_persist not in ("on_evict", "behind"):
+            raise ValueError(f"disk_persist must be on_evict or behind, got {self.disk_persist!r}")
         if self.tier_policy not in ("lru", "s3fifo"):
             raise ValueError(f"tier_policy must be lru or s3fifo, got {self.tier_policy!r}")
         if self.num_blocks < 2:

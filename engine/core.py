@@ -6,6 +6,7 @@ drive it directly and ``EngineLoop`` calls it from the thread that built it (eng
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -21,7 +22,7 @@ from cache.hashing import root_hash
 from cache.kv_storage import KVStorage
 from cache.manager import KVCacheManager
 from cache.quota import PUBLIC, UNKNOWN
-from cache.tiers.chain import TierChain
+from cache.tiers.chain import RETRY, TierChain
 from cache.tiers.codec import BlockFormat
 from cache.tiers.disk import DiskTier
 from cache.tiers.host import HostTier
@@ -116,7 +117,10 @@ class EngineCore:
         chain = self._build_chain(config)
         if chain is not None:
             self._use_chain(chain)
-        self.runner = ModelRunner(self.loaded.model, self.storage, self._native_ops(config), config.fast_decoder)
+        # a first start compiles the kernels only now: compiling while the weights load and pack
+        # made that 3x slower on 2 CPUs (docs/engine.md)
+        native, self.kernel_build = self._native_ops(config)
+        self.runner = ModelRunner(self.loaded.model, self.storage, native, config.fast_decoder)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.counters = EngineCounters()
@@ -139,13 +143,17 @@ class EngineCore:
         block_nbytes = layers * 2 * config.block_size * kv_heads * head_dim * self.loaded.dtype.itemsize
         return (config.host_cache_mb << 20) // block_nbytes
 
-    def _native_ops(self, config: EngineConfig) -> Any:
-        """The native CPU ops where they apply (CPU, float32), built on first use."""
-        if not config.native_kernels or self.storage.device.type != "cpu" or self.storage.dtype != torch.float32:
-            return None
+    def _native_ops(self, config: EngineConfig) -> tuple[Any, Any]:
+        """The native CPU ops where they apply (CPU, float32) and this machine has a build; else,
+        where one can be made, None and the `engine.kernels.KernelBuild` compiling it in the
+        background, which the step loop switches in once done (engine/loop.py)."""
+        from engine.model import resolve_device
+
+        if not config.native_kernels or config.dtype != "float32" or resolve_device(config.device).type != "cpu":
+            return None, None
         from engine import kernels
 
-        return kernels.load()
+        return kernels.load_or_build()
 
     # ---- tiers below the device ---------------------------------------------------------------
     def _build_chain(self, config: EngineConfig) -> TierChain | None:
@@ -156,7 +164,7 @@ class EngineCore:
             return None
         logger.info("cache tiers host_mb=%d disk=%s remote=%s", config.host_cache_mb, disk.dir if disk is not None else None,
                     remote.safe_url() if remote is not None else None)
-        return TierChain(host, disk, remote=remote, remote_write=config.remote_write)
+        return TierChain(host, disk, remote=remote, remote_write=config.remote_write, persist=config.disk_persist)
 
     def _use_chain(self, chain: TierChain) -> None:
         """Put the chain under the device pool: evictions demote into it, admissions promote from it."""
@@ -196,7 +204,11 @@ class EngineCore:
             path = options.get("path", config.disk_cache_path)
             if not isinstance(path, str) or not path:
                 raise ValueError("the disk tier needs a path (a folder)")
-            return DiskTier(path, capacity << 20, fmt, config.tier_policy)
+            if "path" in options:  # named over HTTP, so not trusted as the configured folder is
+                from cache.tiers.folders import attachable_folder
+
+                path = str(attachable_folder(path, config.disk_allowed_root))
+            return DiskTier(path, capacity << 20, fmt, config.tier_policy, load_timeout_s=config.disk_load_timeout_s)
         url = options.get("url", config.remote_cache_url)
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://")):
             raise ValueError(f"the remote tier needs a url starting with redis:// or rediss://, got {url!r}")
@@ -206,9 +218,12 @@ class EngineCore:
         return RemoteTier(url, fmt, ttl, bool(options.get("cluster", config.remote_cluster)), config.remote_timeout_s)
 
     def configure_tier(self, action: str, name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Attach or detach the host, disk or remote tier while serving; returns the tiers' stats.
+        """Attach or detach the host, disk or remote tier while serving; returns what changed:
+        ``{"ok", "action", "tier"}`` plus, after an attach, the tier's ``healthy`` and its ``path``,
+        ``url`` or ``capacity_blocks`` (`/admin/metrics` has the counters).
 
-        Raises ValueError (bad request) or OSError (e.g. a disk folder that cannot be created).
+        Raises ValueError (bad request, or a remote store that does not answer: it is not left
+        attached) or OSError (e.g. a disk folder that cannot be created).
         """
         options = dict(options or {})
         if name not in self._TIER_OPTIONS:
@@ -216,7 +231,8 @@ class EngineCore:
         if action not in ("attach", "detach"):
             raise ValueError(f"unknown action {action!r}; use attach or detach")
         if self.chain is None:
-            self._use_chain(TierChain(None, None, remote_write=self.config.remote_write))
+            self._use_chain(TierChain(None, None, remote_write=self.config.remote_write,
+                                      persist=self.config.disk_persist))
         chain = self.chain
         assert chain is not None
         if action == "detach":
@@ -233,11 +249,25 @@ class EngineCore:
             write = options.pop("write", None) if name == "remote" else None
             if write not in (None, "through", "back"):
                 raise ValueError(f"write must be through or back, got {write!r}")
-            chain.attach(name, self._make_tier(name, options), remote_write=write)
+            tier = self._make_tier(name, options)
+            chain.attach(name, tier, remote_write=write)
+            problem = chain.reach_remote() if name == "remote" else None
+            if problem is not None:
+                chain.detach(name)
+                raise ValueError(f"cannot reach the remote store {tier.safe_url()}: {problem}; not attached")
             for tenant in self._quotas:
                 self._apply_quota(tenant)
         logger.info("cache tier %s %sed", name, action)
-        return chain.snapshot()
+        reply: dict[str, Any] = {"ok": True, "action": action, "tier": name}
+        if action == "attach" and name == "disk":
+            problem = tier.health()
+            reply.update(path=str(tier.dir), capacity_blocks=tier.capacity_blocks, healthy=problem is None,
+                         **({"unhealthy_reason": problem} if problem else {}))
+        elif action == "attach" and name == "remote":
+            reply.update(url=tier.safe_url(), healthy=True)
+        elif action == "attach":
+            reply.update(capacity_blocks=tier.capacity_blocks, healthy=True)
+        return reply
 
     def _apply_quota(self, tenant: str) -> None:
         """Give every tier the tenant's latest block quota (`cache.quota`); a tier without one in
@@ -291,6 +321,7 @@ class EngineCore:
         rest = list(self.manager.missing_hashes(seq.block_hashes, seq.num_tokens))
         if not rest:
             return False
+        chain.recall(rest, seq.tenant)  # blocks whose disk writes are still in flight: back into host
         need = chain.plan_prefetch(rest, self.block_size, self._prefill_tps)
         remote_keys = rest[chain.local_end(rest):] if chain.remote is not None else []
         return chain.prefetch(request_id, need, also_wait_for=rest, remote_keys=remote_keys,
@@ -310,9 +341,46 @@ class EngineCore:
         for owner, items in by_owner.items():
             self.chain.write_remote(items, owner)
 
+    @property
+    def _persist_computed(self) -> bool:
+        """Whether computed device blocks are written to disk in the background (``persist =
+        "behind"``, a disk tier, and KV in CPU memory, which a writer thread can copy from)."""
+        chain = self.chain
+        return (chain is not None and chain.persist == "behind" and chain.disk is not None
+                and self.storage.device.type == "cpu")
+
+    def _note_computed(self, work: list[ScheduledSeq]) -> None:
+        """Offer the blocks this step filled to the chain's background writer."""
+        assert self.chain is not None
+        for s in work:
+            lo, hi = s.start // self.block_size, (s.start + s.num_new) // self.block_size
+            for i, block in enumerate(self.manager.blocks(s.seq.seq_id)[lo:hi], lo):
+                key = block.block_hash
+                if key is not None:
+                    owner = PUBLIC if i < s.seq.public_blocks else s.seq.tenant
+                    self.chain.note_computed(key, functools.partial(self._copy_device_block, block, key, block.slot),
+                                             owner)
+
+    def _copy_device_block(self, block: Any, key: bytes, slot: int) -> bytes | None:
+        """A cached device block's bytes, copied on a writer thread: None once the block no longer
+        holds ``key`` in ``slot``; `RETRY` when a block was allocated during the copy (its row
+        may have been reused and rewritten, so the copy may be torn). A cached block's row is
+        written only after an allocation takes it, and allocations are counted before that."""
+        allocations = self.manager.pool.stats.allocations
+        if block.block_hash != key or block.slot != slot:
+            return None
+        data = self.storage.block_view(slot).numpy().tobytes()
+        if block.block_hash != key or block.slot != slot:
+            return None
+        return data if self.manager.pool.stats.allocations == allocations else RETRY
+
     def poll_loads(self) -> int:
-        """Admit the requests whose disk loads finished; returns how many."""
-        if self.chain is None or not self._loading:
+        """Admit the requests whose disk loads finished; returns how many. Also lets the chain
+        start its background disk writes (``persist = "behind"``)."""
+        if self.chain is None:
+            return 0
+        self.chain.persist_behind()
+        if not self._loading:
             return 0
         admitted = 0
         released = self.chain.poll()
@@ -376,9 +444,12 @@ class EngineCore:
             ledger = self.manager.pool.ledger
             blocks = [(h, lambda b=b: storage.read_block(b.slot), ledger.owner_of(h) or UNKNOWN)
                       for h, b in self.manager.pool.cached_blocks()]
+            t0 = time.monotonic()
             written = chain.flush(blocks, self.config.flush_on_shutdown_s)
-            chain.drain_writes(self.config.flush_on_shutdown_s)
-            logger.info("cache tiers flushed %d blocks to disk", written)
+            drained = chain.drain_writes(self.config.flush_on_shutdown_s)
+            logger.info("cache tiers flushed %d blocks to disk in %.1f s (%d blocks there in all)%s", written,
+                        time.monotonic() - t0, len(chain.disk),
+                        "" if drained else f"; {chain.pending_writes} writes still in flight were abandoned")
         chain.close()
 
     # ---- requests -------------------------------------------------------------------------
@@ -512,6 +583,8 @@ class EngineCore:
                 self._timing[s.seq.request_id].prefill_s += t_sample - t_fwd
         if self.chain is not None and self.chain.writes_through:
             self._write_through(work)
+        if self._persist_computed:
+            self._note_computed(work)
         outputs: list[SeqOutput] = []
         if sample_rows:
             sampled = [work[i] for i in sample_rows]

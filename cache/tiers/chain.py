@@ -25,12 +25,13 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import torch
 
 from cache.quota import UNKNOWN
@@ -45,6 +46,17 @@ logger = logging.getLogger(__name__)
 # request is released when all its blocks are in, so fewer, bigger calls are best: each call costs
 # a thread-pool hop); none over this many blocks, so that one call stays short.
 READ_BATCH_BLOCKS = 128
+# Writes in flight at once while flushing at shutdown: enough to keep the writer threads busy,
+# few enough that the payloads waiting for them stay a few tens of MB.
+FLUSH_WINDOW = 32
+# What a block copy made off the step loop returns when it may be torn and should be made again.
+RETRY = b""
+
+
+# How host blocks reach the disk tier: "on_evict" writes a block when it leaves host memory;
+# "behind" also writes host blocks in the background, oldest first, so a crash (SIGKILL, OOM kill,
+# power cut) loses only the blocks of the last moments, and evicting them later costs no write.
+PERSIST_MODES = ("on_evict", "behind")
 
 
 @dataclass(slots=True)
@@ -57,6 +69,8 @@ class ChainStats:
     recompute_chosen: int = 0
     dropped_writes: int = 0
     flushed_blocks: int = 0
+    recalled_blocks: int = 0  # asked for while their disk write was in flight: served from its buffer
+    persisted_behind: int = 0  # host blocks written to disk by persist = "behind"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +82,17 @@ class Reservation:
     host: HostTier
     slot: int
     view: memoryview
+
+
+def _copy_into(dst: torch.Tensor, payload: bytes | memoryview) -> None:
+    """Copy a block's bytes into ``dst`` (flat uint8, on any device)."""
+    view = memoryview(payload).cast("B")
+    if not view.readonly:
+        dst.copy_(torch.frombuffer(view, dtype=torch.uint8))
+    elif dst.device.type == "cpu":  # torch wants a writable buffer; numpy copies from a read-only one
+        dst.numpy()[:] = numpy.frombuffer(view, dtype=numpy.uint8)
+    else:
+        dst.copy_(torch.frombuffer(bytearray(view), dtype=torch.uint8))
 
 
 def _views(reservations: list[Reservation | None]) -> list[memoryview | None]:
@@ -154,13 +179,24 @@ class TierChain:
 
     def __init__(self, host: HostTier | None, disk: DiskTier | None, max_pending_writes: int = 256,
                  remote: RemoteTier | None = None, remote_write: str = "through",
-                 read_parallel: int = min(4, os.cpu_count() or 1)) -> None:
+                 read_parallel: int = min(4, os.cpu_count() or 1), persist: str = "on_evict") -> None:
+        if persist not in PERSIST_MODES:
+            raise ValueError(f"persist must be one of {', '.join(PERSIST_MODES)}, got {persist!r}")
         self.host = host
         self.disk = disk
         self.remote = remote
         self.remote_write = remote_write
         self.max_pending_writes = max_pending_writes
+        self.persist = persist
         self.stats = ChainStats()
+        # Disk writes in flight, key -> the payload being written: the block stays readable from
+        # here until its record is complete and indexed (the I/O thread indexes, then forgets it)
+        self._writing: dict[bytes, bytes | memoryview] = {}
+        # blocks that may not be on disk yet, oldest first (persist = "behind" writes them): host
+        # blocks (None: copied from their slot) and computed device blocks ((copy, owner))
+        self._unpersisted: OrderedDict[bytes, tuple[Callable[[], bytes | None], str] | None] = OrderedDict()
+        self._retry: queue.SimpleQueue[tuple[bytes, Any]] = queue.SimpleQueue()  # torn device copies
+        self._attach_host(host)
         self.io = IOLoop() if disk is not None or remote is not None else None
         if remote is not None and self.io is not None:
             remote.write_executor = self.io.sender
@@ -206,25 +242,36 @@ class TierChain:
             traded = host.adopt(key, row, owner)
             if traded is not None:
                 spare, evicted = traded
+                self._track(key)
                 for victim, payload, victim_owner in evicted:
                     self._write(victim, payload, victim_owner)
                 return spare
         if host is not None:
             for victim, payload, victim_owner in host.put(key, src, owner):
                 self._write(victim, payload, victim_owner)
+            if key in host:
+                self._track(key)
         elif self.disk is not None or self.remote is not None:
             self._write(key, src.cpu().numpy().tobytes(), owner)
         return None
 
     def _write(self, key: bytes, payload: bytes, owner: str = UNKNOWN) -> None:
-        """A block leaves host memory: to disk, and to the remote tier when it writes back."""
+        """A block leaves host memory: to disk, and to the remote tier when it writes back.
+
+        Until the disk has indexed it, the block stays readable from ``_writing`` (see `recall`);
+        a block the disk already holds is only marked as used there."""
+        self._unpersisted.pop(key, None)
         if self.remote is not None and self.remote_write == "back":
             self.write_remote([(key, payload)], owner)
-        if self.disk is None or self.io is None or not self.disk.ledger.admits(owner) or not self._reserve_write(1):
+        disk = self.disk
+        if disk is None or self.io is None or key in self._writing or not disk.ledger.admits(owner):
             return
-        coro = self._timed("disk_write", self.disk.write(key, payload, owner, executor=self.io.writer),
+        if disk.touch(key) or not self._reserve_write(1):
+            return
+        self._writing[key] = payload
+        coro = self._timed("disk_write", disk.write(key, payload, owner, executor=self.io.writer),
                            time.perf_counter())
-        self.io.submit(coro).add_done_callback(self._write_done)
+        self.io.submit(coro).add_done_callback(functools.partial(self._write_done, key))
 
     async def _timed(self, kind: str, coro: Any, issued: float) -> Any:
         """Run a tier call on the I/O loop, timed from ``issued`` (when the step loop asked) and alone."""
@@ -244,7 +291,11 @@ class TierChain:
             self._pending_writes += 1
             return True
 
-    def _write_done(self, future: Future[Any]) -> None:
+    def _write_done(self, key: bytes | None, future: Future[Any]) -> None:
+        """A write ended (on the I/O thread): the disk indexed the block first, so dropping its
+        buffer now leaves no moment in which neither holds it."""
+        if key is not None:
+            self._writing.pop(key, None)
         with self._write_lock:
             self._pending_writes -= 1
         if not future.cancelled() and future.exception() is not None:
@@ -266,7 +317,7 @@ class TierChain:
             if len(self._remote_sent) > 65536:
                 self._remote_sent.popitem(last=False)
         coro = self._timed("remote_put", self.remote.put(fresh, owner), time.perf_counter())
-        self.io.submit(coro).add_done_callback(self._write_done)
+        self.io.submit(coro).add_done_callback(functools.partial(self._write_done, None))
 
     @property
     def pending_writes(self) -> int:
@@ -284,6 +335,12 @@ class TierChain:
         if self.host is not None and self.host.load_into(key, dst):
             self.stats.promotions += 1
             return True
+        writing = self._writing.get(key)
+        if writing is not None:  # its disk write is still in flight: copy from the write's buffer
+            _copy_into(dst, writing)
+            self.stats.promotions += 1
+            self.stats.recalled_blocks += 1
+            return True
         return False
 
     def take(self, key: bytes, row: int) -> int | None:
@@ -298,7 +355,105 @@ class TierChain:
         return held
 
     def on_lower_tier(self, key: bytes) -> bool:
-        return (self.host is not None and key in self.host) or key in self._staged
+        """Whether the block can be promoted without a read: in host, staged, or being written."""
+        return (self.host is not None and key in self.host) or key in self._staged or key in self._writing
+
+    def recall(self, keys: Iterable[bytes], owner: str = UNKNOWN) -> int:
+        """Bring the leading ``keys`` whose disk writes are still in flight back into host memory
+        (or staging), copied from the write's buffer, so the request that wants them finds them
+        there when it is admitted, whenever the write ends. Stops at the first key no tier can
+        supply; returns how many blocks came back."""
+        recalled = 0
+        for key in keys:
+            payload = self._writing.get(key)  # (before the disk: the I/O thread indexes, then forgets)
+            if payload is None:
+                if self.on_lower_tier(key) or key in self._inflight or (self.disk is not None and key in self.disk):
+                    continue
+                break
+            if self.host is None:
+                self._staged[key] = payload
+            else:
+                for victim, evicted, victim_owner in self.host.put_bytes(key, payload, owner):
+                    self._write(victim, evicted, victim_owner)
+            recalled += 1
+        self.stats.recalled_blocks += recalled
+        return recalled
+
+    # ---- persistence (step loop decides, writer threads copy and write) -----------------------
+    def _attach_host(self, host: HostTier | None) -> None:
+        if host is not None:
+            host.keep = self._keep_in_host
+
+    def _track(self, key: bytes) -> None:
+        """A block entered host memory: with ``persist = "behind"`` it waits to be written."""
+        if self.persist == "behind" and self.disk is not None:
+            self._unpersisted[key] = None
+
+    def _keep_in_host(self, key: bytes) -> bool:
+        """Whether host eviction should pass over ``key``: writes are backed up and the block is
+        neither on disk nor on its way there, so evicting it would drop it."""
+        disk = self.disk
+        return (disk is not None and self._pending_writes >= self.max_pending_writes
+                and key not in self._writing and key not in disk)
+
+    def note_computed(self, key: bytes, copy: Callable[[], bytes | None], owner: str = UNKNOWN) -> None:
+        """``persist = "behind"``: a device block was just computed; ``copy`` (called on a writer
+        thread) returns its bytes, None once the block is gone, or `RETRY` when the copy may be
+        torn and should be made again later."""
+        if self.persist == "behind" and self.disk is not None and key not in self._unpersisted:
+            self._unpersisted[key] = (copy, owner)
+
+    def persist_behind(self) -> int:
+        """``persist = "behind"``: start writing the oldest host and computed device blocks not
+        yet on disk, while fewer than half the write bound are in flight (demotions keep the
+        other half). Called by the step loop between steps; the bytes are copied by a writer
+        thread. Returns how many writes started."""
+        disk, io, host = self.disk, self.io, self.host
+        if self.persist != "behind" or disk is None or io is None:
+            return 0
+        while True:  # copies found torn go to the back of the line
+            try:
+                key, source = self._retry.get_nowait()
+            except queue.Empty:
+                break
+            self._unpersisted.setdefault(key, source)
+        started = 0
+        while self._unpersisted and self._pending_writes < max(1, self.max_pending_writes // 2):
+            key, source = self._unpersisted.popitem(last=False)
+            if key in self._writing or key in disk:
+                continue
+            slot = host.slot_of(key) if host is not None else None
+            if slot is not None:
+                assert host is not None
+                copy: Callable[[], bytes | None] = functools.partial(host.snapshot, key, slot)
+                owner = host.ledger.owner_of(key) or UNKNOWN
+            elif source is not None:
+                copy, owner = source
+            else:  # left host since (its eviction wrote it)
+                continue
+            if not disk.ledger.admits(owner) or not self._reserve_write(1):
+                continue
+            coro = self._timed("disk_write", self._persist(disk, io, key, copy, owner, source), time.perf_counter())
+            io.submit(coro).add_done_callback(functools.partial(self._write_done, None))
+            started += 1
+        return started
+
+    async def _persist(self, disk: DiskTier, io: IOLoop, key: bytes, copy: Callable[[], bytes | None], owner: str,
+                       source: Any) -> bool:
+        """Copy a block on a writer thread and write it. A copy that may be torn (the step loop
+        moved the block meanwhile) is never written: a host block that left was written by its
+        eviction; a device block is tried again later."""
+        payload = await asyncio.get_running_loop().run_in_executor(io.writer, copy)
+        if payload is RETRY:
+            if source is not None:
+                self._retry.put((key, source))
+            return False
+        if payload is None:
+            return False
+        written = await disk.write(key, payload, owner, executor=io.writer)
+        if written:
+            self.stats.persisted_behind += 1
+        return written
 
     # ---- prefetch from disk and remote (step loop submits, I/O loop reads) --------------------
     def plan_prefetch(self, keys: Iterable[bytes], block_tokens: int, prefill_tokens_per_s: float | None) -> list[bytes]:
@@ -391,8 +546,10 @@ class TierChain:
             own = self._disk_reads(keys, slots, disk, issued) if disk is not None else []
             shared = [self._reads[k] for k in waits if k in self._reads]
             done = await asyncio.gather(*own, *shared, return_exceptions=True)
-            nbytes = sum(n for n in done[: len(own)] if isinstance(n, int))
+            nbytes = sum(n for n in done[: len(own)] if isinstance(n, int) and n > 0)
             times.blocks = sum(1 for n in done[: len(own)] if isinstance(n, int) and n > 0)
+            if disk is not None and self.STALLED in done[: len(own)]:  # as if all it asked for took that long
+                nbytes = len(own) * disk.fmt.record_size
             if disk is not None and nbytes:  # the rate of the batch as issued: reads overlap
                 disk.rate.observe(nbytes, time.perf_counter() - t0, ops=len(own))
             if remote_keys and remote is not None:
@@ -426,19 +583,39 @@ class TierChain:
 
     async def _read_batch(self, keys: list[bytes], slots: list[Reservation | None], disk: DiskTier,
                           issued: float) -> None:
-        """Read a batch into the event queue and settle each key's future with the bytes read."""
-        payloads: list[memoryview | None] = [None] * len(keys)
+        """Read a batch (its blocks go to the event queue) and settle each key's future with the
+        bytes read, or `STALLED` once the batch ran past ``disk.load_timeout_s``, counted from
+        here (waiting for a read slot included): the waiters then go on and recompute.
+
+        A read on its thread cannot be stopped. Past the deadline it goes on alone (`_read_into`,
+        shielded) and gives its read slot back; its host slots stay reserved — no one else is
+        given a slot it may still write into — until it returns, when its blocks are committed
+        (or their slots released) by the usual events. Its keys stay in flight meanwhile, so a
+        stuck file is not asked for again (later requests recompute those blocks at once)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + disk.load_timeout_s
+        read: asyncio.Future[list[int]] | None = None
+        sizes = [0] * len(keys)
         try:
-            async with self._read_slots:
-                payloads = await self._timed("disk_read", disk.read_many(keys, _views(slots)), issued)
+            await asyncio.wait_for(self._read_slots.acquire(), disk.load_timeout_s)
+            try:
+                read = asyncio.ensure_future(self._read_into(keys, slots, disk, issued))
+                sizes = await asyncio.wait_for(asyncio.shield(read), max(0.0, deadline - loop.time()))
+            finally:
+                self._read_slots.release()
+        except asyncio.TimeoutError:
+            sizes = [self.STALLED] * len(keys)
+            disk.note_stall(len(keys))
         except Exception:  # (a cancellation at shutdown is not one: it still settles the futures below)
             logger.exception("disk cache read failed")
         finally:
-            for key, payload, reserved in zip(keys, payloads, slots, strict=True):
+            if read is None:  # never started: its host slots are free again
+                for key, reserved in zip(keys, slots, strict=True):
+                    self._events.put(("block", key, (None, reserved)))
+            for key, n in zip(keys, sizes, strict=True):
                 future = self._reads.pop(key, None)
-                self._events.put(("block", key, (payload, reserved)))
                 if future is not None and not future.done():
-                    future.set_result(len(payload) if payload is not None else 0)
+                    future.set_result(n)
 
     async def _remote_fetch(self, remote: RemoteTier, keys: list[bytes], slots: list[Reservation | None],
                             block_tokens: int, prefill_tokens_per_s: float | None, times: JobTimes,
@@ -522,9 +699,12 @@ class TierChain:
                                                                  payload):
                     if host is self.host:  # (a host detached meanwhile takes its blocks with it)
                         self._write(victim, evicted, victim_owner)
+                if host is self.host:
+                    self._track(key)  # (from the remote tier; one read from disk is skipped later)
             elif self.host is not None:
                 for victim, evicted, victim_owner in self.host.put_bytes(key, payload, self._owners.get(key, UNKNOWN)):
                     self._write(victim, evicted, victim_owner)
+                self._track(key)
             else:
                 self._staged[key] = payload
         return ready
@@ -543,6 +723,8 @@ class TierChain:
         """Put a tier in place (the slot must be empty); starts the I/O loop if it needs one."""
         assert name in ("host", "disk", "remote") and getattr(self, name) is None
         setattr(self, name, tier)
+        if name == "host":
+            self._attach_host(tier)
         if name == "remote" and remote_write is not None:
             self.remote_write = remote_write
         if name in ("disk", "remote") and self.io is None:
@@ -561,6 +743,8 @@ class TierChain:
         setattr(self, name, None)
         if name == "host":
             self._staged.clear()
+            self._unpersisted.clear()
+            tier.keep = None
         if name == "remote":
             self._close_remote(tier)
 
@@ -575,32 +759,44 @@ class TierChain:
     # ---- shutdown ---------------------------------------------------------------------------
     def flush(self, blocks: Iterable[tuple[Any, ...]], timeout_s: float) -> int:
         """Write host blocks and the given device blocks ((key, payload getter) or (key, getter,
-        owner)) to disk, waiting up to ``timeout_s``; what is already there is skipped. Returns how
-        many blocks were written."""
-        if self.disk is None or self.io is None:
+        owner)) to disk, waiting up to ``timeout_s``; what is already there (or on its way) is
+        skipped. Call it while nothing else changes the tiers (the step loop is here): host slots
+        are written from where they lie, with at most `FLUSH_WINDOW` writes in flight so memory
+        stays bounded. Returns how many blocks were written."""
+        disk, io = self.disk, self.io
+        if disk is None or io is None:
             return 0
         deadline = time.monotonic() + timeout_s
-        futures = []
-        sources: list[tuple[bytes, Callable[[], bytes | None], str]] = [
+        sources: list[tuple[bytes, Callable[[], bytes | memoryview | None], str]] = [
             (entry[0], entry[1], entry[2] if len(entry) > 2 else UNKNOWN) for entry in blocks]
         if self.host is not None:
             host = self.host
-            sources += [(key, functools.partial(host.payload, key), host.ledger.owner_of(key) or UNKNOWN)
+            sources += [(key, functools.partial(host.view, key), host.ledger.owner_of(key) or UNKNOWN)
                         for key in host.keys()]
         seen: set[bytes] = set()
+        window: deque[Future[Any]] = deque()
+        written = 0
+
+        def settle(future: Future[Any]) -> int:
+            try:
+                return int(bool(future.result(timeout=max(0.0, deadline - time.monotonic()))))
+            except Exception:  # past the deadline, or the write failed (counted by the tier)
+                return 0
+
         for key, get, owner in sources:
-            if key in seen or key in self.disk or time.monotonic() > deadline:
+            if time.monotonic() > deadline:
+                break
+            if key in seen or key in self._writing or key in disk:
                 continue
             payload = get()
-            if payload is not None:
-                seen.add(key)  # the device and the (inclusive) host may both hold it: write it once
-                futures.append(self.io.submit(self.disk.write(key, payload, owner)))
-        written = 0
-        for future in futures:
-            try:
-                written += bool(future.result(timeout=max(0.0, deadline - time.monotonic())))
-            except Exception:
-                break
+            if payload is None:
+                continue
+            seen.add(key)  # the device and the (inclusive) host may both hold it: write it once
+            window.append(io.submit(disk.write(key, payload, owner, executor=io.writer)))
+            if len(window) >= FLUSH_WINDOW:
+                written += settle(window.popleft())
+        while window:
+            written += settle(window.popleft())
         self.stats.flushed_blocks += written
         return written
 
@@ -630,19 +826,24 @@ class TierChain:
         return out
 
     def snapshot(self) -> dict[str, Any]:
+        disk_problem = self.disk.health() if self.disk is not None else None  # first: it may recover the folder
         out: dict[str, Any] = {"chain": {**_asdict(self.stats), "pending_writes": self._pending_writes,
-                                         "inflight_reads": len(self._inflight)}}
+                                         "inflight_reads": len(self._inflight), "persist": self.persist,
+                                         "unpersisted_blocks": len(self._unpersisted)}}
         for tier in self.tiers:
             out[tier.name] = {**tier.stats.snapshot(), "blocks": len(tier), "capacity_blocks": tier.capacity_blocks,
                               "bytes": tier.nbytes, "policy": tier.policy_name,
-                              "load_bytes_per_s": tier.rate.bytes_per_s, "load_latency_s": tier.rate.latency_s}
+                              "load_bytes_per_s": tier.rate.bytes_per_s, "load_latency_s": tier.rate.latency_s,
+                              "load_samples": tier.rate.samples, "load_sample_age_s": tier.rate.age_s()}
         for tier in (self.host, self.disk):
             if tier is not None:
                 out[tier.name]["quota"] = tier.ledger.snapshot()
         if self.host is not None:
             out["host"]["shares_device_slab"] = self.host.shared
+            out["host"]["kept_unpersisted"] = self.host.kept  # evictions that passed over a block not on disk
         if self.disk is not None:
-            out["disk"]["path"] = str(self.disk.dir)
+            out["disk"].update(path=str(self.disk.dir), healthy=disk_problem is None, unhealthy_reason=disk_problem,
+                               load_timeout_s=self.disk.load_timeout_s, stuck_reads=self.disk.readers.stuck)
         if self.remote is not None:
             out["remote"].update(url=self.remote.safe_url(), breaker=self.remote.breaker.state,
                                  breaker_trips=self.remote.breaker.trips, write=self.remote_write,
@@ -650,6 +851,33 @@ class TierChain:
                                  quota={"accounted_owners": self.remote.accounted_owners,
                                         "quota_evictions": self.remote.quota_evictions})
         return out
+
+    # ---- hostile folders and unreachable stores -----------------------------------------------
+    STALLED = -1  # what a read future settles with when its batch ran past the deadline
+
+    async def _read_into(self, keys: list[bytes], slots: list[Reservation | None], disk: DiskTier,
+                         issued: float) -> list[int]:
+        """Read a batch into its host slots and put each block (None where it failed) in the event
+        queue, however late; the bytes read per key (I/O loop)."""
+        payloads: list[memoryview | None] = [None] * len(keys)
+        try:
+            payloads = await self._timed("disk_read", disk.read_many(keys, _views(slots)), issued)
+        except Exception:
+            logger.exception("disk cache read failed")
+        finally:
+            for key, payload, reserved in zip(keys, payloads, slots, strict=True):
+                self._events.put(("block", key, (payload, reserved)))
+        return [len(p) if p is not None else 0 for p in payloads]
+
+    def reach_remote(self, timeout_s: float = 2.0) -> str | None:
+        """Whether the remote tier answers a PING: None, or the connection error (step loop; an
+        attach calls it so that a store nobody listens at is refused, not attached)."""
+        assert self.remote is not None and self.io is not None
+        try:
+            self.io.submit(self.remote.ping(timeout_s)).result(timeout=timeout_s + 1.0)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (no answer in {timeout_s:g} s)"
+        return None
 
 
 def _asdict(stats: ChainStats) -> dict[str, Any]:

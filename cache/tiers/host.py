@@ -18,7 +18,7 @@ or this tier, and the tier's capacity in rows never changes.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy
 import torch
@@ -27,6 +27,9 @@ from cache.quota import UNKNOWN, QuotaLedger, pick_victim
 from cache.telemetry import BlockLife
 from cache.tiers.policy import make_policy
 from cache.tiers.stats import RateEstimate, TierStats
+
+# How many eviction candidates a host eviction looks at for one that need not be kept.
+KEEP_SCAN = 64
 
 
 class HostTier:
@@ -63,6 +66,13 @@ class HostTier:
         self.rate = RateEstimate(bytes_per_s=5e9, latency_s=1e-5)
         self.life = BlockLife()
         self.ledger = QuotaLedger(self.capacity_blocks)  # who holds what; tenants' host quotas
+        # eviction passes over a victim for which keep(key) is true while another exists (the
+        # chain: a block not yet on disk while disk writes are backed up)
+        self.keep: Callable[[bytes], bool] | None = None
+        self.kept = 0  # evictions that passed over a kept block
+        # per slot, how many times a block left it: `snapshot` on another thread tells by it that
+        # its copy may be torn
+        self._left: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._index)
@@ -228,10 +238,34 @@ class HostTier:
         slot = self._index.get(key)
         return None if slot is None else self.slots[slot].numpy().tobytes()
 
+    def view(self, key: bytes) -> memoryview | None:
+        """The block's bytes where they lie (no copy): valid only until the tier changes."""
+        slot = self._index.get(key)
+        return None if slot is None else self.slots[slot].numpy().data
+
+    def slot_of(self, key: bytes) -> int | None:
+        return self._index.get(key)
+
+    def snapshot(self, key: bytes, slot: int) -> bytes | None:
+        """A copy of ``key``'s block in ``slot``, made on a thread other than the step loop's;
+        None if the block was not there for the whole copy (the step loop moved or evicted it,
+        so the bytes may be torn). A block leaves a slot before anything else is written there."""
+        left = self._left.get(slot, 0)
+        if self._index.get(key) != slot:
+            return None
+        data = self.slots[slot].numpy().tobytes()
+        if self._left.get(slot, 0) != left or self._index.get(key) != slot:
+            return None
+        return data
+
+    def _leave(self, slot: int) -> None:
+        self._left[slot] = self._left.get(slot, 0) + 1
+
     def delete(self, key: bytes) -> bool:
         slot = self._index.pop(key, None)
         if slot is None:
             return False
+        self._leave(slot)
         self.policy.remove(key)
         self.ledger.remove(key)
         self.life.removed(key)
@@ -247,9 +281,30 @@ class HostTier:
     def keys(self) -> Iterator[bytes]:
         return iter(list(self._index))
 
+    def _pick(self, owner: str) -> bytes:
+        """The policy's victim for ``owner``, passing over kept blocks while another candidate
+        exists among the next `KEEP_SCAN` (those passed over go back in as just used, in their
+        order); when none is found, the policy's own victim leaves."""
+        key: bytes = pick_victim(self.policy, self.ledger, owner)  # type: ignore[assignment]
+        if self.keep is None or not self.keep(key):
+            return key
+        passed = [key]
+        while len(self.policy) and len(passed) < KEEP_SCAN:
+            key = pick_victim(self.policy, self.ledger, owner)  # type: ignore[assignment]
+            if not self.keep(key):
+                self.kept += 1
+                break
+            passed.append(key)
+        else:
+            key = passed.pop(0)
+        for spared in passed:
+            self.policy.insert(spared)
+        return key
+
     def _evict_one(self, owner: str) -> tuple[bytes, bytes, str]:
-        key = pick_victim(self.policy, self.ledger, owner)
-        slot = self._index.pop(key)  # type: ignore[call-overload]
+        key = self._pick(owner)
+        slot = self._index.pop(key)
+        self._leave(slot)
         payload = self.slots[slot].numpy().tobytes()
         self._free.append(slot)
         self.life.removed(key)

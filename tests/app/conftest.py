@@ -74,13 +74,14 @@ def free_port() -> int:
 class ServerProcess:
     """One `kvgate serve` subprocess; its output goes to a log file shown on failure."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str]) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str], new_session: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("w")
+        # new_session: the server leads a process group of its own, so a test can signal the group
         self.proc = subprocess.Popen([KVGATE, "serve", "--port", str(self.port), *args], cwd=ROOT, env=env,
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=new_session)
 
     def log(self) -> str:
         if not self._log.closed:
@@ -135,7 +136,8 @@ def start_server(kvgate_env: dict[str, str], tmp_path_factory: pytest.TempPathFa
     """Factory: start a `kvgate serve` with extra args (and optional config text), wait for /ready."""
     started: list[ServerProcess] = []
 
-    def start(*args: str, config: str | None = None, wait: str | None = "/ready") -> ServerProcess:
+    def start(*args: str, config: str | None = None, wait: str | None = "/ready",
+              new_session: bool = False) -> ServerProcess:
         folder = tmp_path_factory.mktemp("server")
         argv = list(args)
         if config is not None:
@@ -143,7 +145,7 @@ def start_server(kvgate_env: dict[str, str], tmp_path_factory: pytest.TempPathFa
             argv = ["--config", str(folder / "kvgate.toml"), *argv]
         if "--disk-cache" not in argv:  # a disk tier per server: no test sees another's blocks
             argv = [*argv, "--disk-cache", str(folder / "kv")]
-        server = ServerProcess(argv, folder / "server.log", kvgate_env)
+        server = ServerProcess(argv, folder / "server.log", kvgate_env, new_session)
         started.append(server)
         if wait is not None:
             server.wait_until(wait)

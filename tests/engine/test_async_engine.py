@@ -249,3 +249,25 @@ def test_a_restart_that_cannot_start_tells_the_server():
         assert fatal and "cannot start" in str(fatal[0]) and engine.status == "failed"
 
     run(main())
+
+
+def test_a_stop_signal_of_the_engine_reaches_on_stop_even_before_start(tiny_model_dir):
+    """The engine process reports SIGTERM/SIGINT as a ("stop", name) event; one that arrives
+    while the model loads (before `start`) is acted on when serving starts."""
+    engine = AsyncEngine.from_config(EngineConfig(model=str(tiny_model_dir), block_size=4, num_blocks=64))
+    seen: list[str] = []
+    engine.on_stop = seen.append
+    engine._on_event(("stop", "SIGTERM"))  # as the event reader thread delivers it, before start()
+
+    async def main():
+        engine.start()
+        try:
+            await asyncio.sleep(0.05)
+            assert seen == ["SIGTERM"]
+            engine._on_event(("stop", "SIGINT"))  # after start: hopped onto the loop
+            await asyncio.sleep(0.05)
+            assert seen == ["SIGTERM", "SIGINT"]
+        finally:
+            await engine.shutdown()
+
+    run(main())

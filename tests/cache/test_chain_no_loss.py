@@ -1,0 +1,219 @@
+"""No block in no tier: a block leaving host memory stays readable (from host, or from its disk
+write's buffer) until its disk record is complete and indexed; when disk writes back up, host
+eviction passes over blocks not yet on disk; ``persist = "behind"`` keeps host blocks written."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from cache.tiers.chain import TierChain
+from cache.tiers.disk import DiskTier
+from cache.tiers.host import HostTier
+from tests.cache.test_tier_chain import FMT, NB, WAIT_S, block, key, load, poll_until, raw
+
+
+class SlowDisk(DiskTier):
+    """A disk tier whose writes take a random while (or wait for a gate): the window in which a
+    block has left host memory and is not yet indexed on disk stays open long enough to hit."""
+
+    def __init__(self, *args: Any, max_delay_s: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_delay_s = max_delay_s
+        self.gate = threading.Event()
+        self.gate.set()
+        self.rng = random.Random(7)
+
+    async def write(self, *args: Any, **kwargs: Any) -> bool:
+        while not self.gate.is_set():
+            await asyncio.sleep(0.001)
+        if self.max_delay_s:
+            await asyncio.sleep(self.rng.uniform(0, self.max_delay_s))
+        return await super().write(*args, **kwargs)
+
+
+@pytest.fixture
+def made(tmp_path: Path) -> Iterator[list[TierChain]]:
+    chains: list[TierChain] = []
+    try:
+        yield chains
+    finally:
+        for chain in chains:
+            if chain.disk is not None:
+                chain.disk.gate.set()  # type: ignore[attr-defined]
+            chain.close()
+
+
+def slow_chain(tmp_path: Path, host_blocks: int = 2, max_pending_writes: int = 256, persist: str = "on_evict",
+               max_delay_s: float = 0.0) -> TierChain:
+    disk = SlowDisk(tmp_path / "disk", 256 * FMT.record_size, FMT, max_delay_s=max_delay_s)
+    return TierChain(HostTier(host_blocks * NB, NB), disk, max_pending_writes=max_pending_writes, persist=persist)
+
+
+def test_a_block_being_written_is_found_recalled_and_loaded(tmp_path: Path, made: list[TierChain]) -> None:
+    made.append(chain := slow_chain(tmp_path))
+    assert chain.host is not None and chain.disk is not None
+    chain.disk.gate.clear()  # type: ignore[attr-defined]
+    for i in range(4):  # host of 2: blocks 0 and 1 leave for disk, whose writes wait
+        chain.demote(key(i), block(i))
+    assert chain.pending_writes == 2 and key(0) not in chain.disk and key(0) not in chain.host
+    # a lookup during the write finds it, and it is not planned as a disk read
+    assert chain.on_lower_tier(key(0)) and chain.local_end([key(0), key(1), key(9)]) == 2
+    assert chain.plan_prefetch([key(0), key(1)], 16, None) == []
+    out = load(chain, 1)  # promotion straight from the write's buffer
+    assert out is not None and torch.equal(out, block(1))
+    # a request that wants block 0 takes it back into host, where it stays whatever the write does
+    assert chain.recall([key(0), key(9)]) == 1
+    assert key(0) in chain.host and chain.stats.recalled_blocks == 2
+    chain.disk.gate.set()  # type: ignore[attr-defined]
+    assert chain.drain_writes(WAIT_S)
+    assert not chain._writing
+    assert key(0) in chain.disk and key(1) in chain.disk
+    assert chain.stats.dropped_writes == 0
+    chain.host.check_invariants()
+    chain.disk.check_invariants()
+
+
+def test_backed_up_writes_evict_a_block_already_on_disk_instead_of_dropping(tmp_path: Path,
+                                                                            made: list[TierChain]) -> None:
+    made.append(chain := slow_chain(tmp_path, host_blocks=4, max_pending_writes=1))
+    assert chain.host is not None and chain.disk is not None
+    demote_and_persist = [10, 11]  # on disk already, then back in host (as after a disk read)
+    for i in demote_and_persist:
+        chain.demote(key(i), block(i))
+    assert chain.flush([], WAIT_S) == 2 and all(key(i) in chain.disk for i in demote_and_persist)
+    chain.disk.gate.clear()  # type: ignore[attr-defined]
+    for i in range(3):  # fills host (4), then one eviction: 10, the oldest, is on disk: no write
+        chain.demote(key(i), block(i))
+    assert chain.pending_writes == 0 and key(10) not in chain.host
+    chain.demote(key(3), block(3))  # evicts 11 (on disk): still no write
+    chain.demote(key(4), block(4))  # evicts 0: one write in flight, the bound
+    assert chain.pending_writes == 1 and key(0) in chain._writing
+    chain.demote(key(5), block(5))  # backed up: 1, the oldest, is not on disk; none is: dropped
+    assert chain.stats.dropped_writes == 1
+    chain.disk.gate.set()  # type: ignore[attr-defined]
+    assert chain.drain_writes(WAIT_S)
+    # with a block on disk in host again, a backed-up eviction takes it and spares the others
+    assert chain.recall([key(0)]) == 0  # on disk, not being written: nothing to recall
+    assert chain.prefetch("r", chain.plan_prefetch([key(0)], 16, None))
+    poll_until(chain, ["r"])  # 0 is in host again, and on disk; it evicted 2 (written)
+    assert chain.drain_writes(WAIT_S)
+    kept_before = chain.host.kept
+    chain.disk.gate.clear()  # type: ignore[attr-defined]
+    chain.demote(key(6), block(6))  # evicts the LRU, 3 (not on disk): a write, now in flight
+    assert chain.pending_writes == 1
+    chain.demote(key(7), block(7))  # backed up: 4 is LRU and not on disk, 0 is on disk: 0 leaves
+    assert chain.stats.dropped_writes == 1 and chain.host.kept == kept_before + 1
+    assert key(4) in chain.host and key(0) not in chain.host and key(0) in chain.disk
+    chain.disk.gate.set()  # type: ignore[attr-defined]
+    assert chain.drain_writes(WAIT_S)
+    chain.host.check_invariants()
+
+
+def test_persist_behind_writes_host_blocks_oldest_first(tmp_path: Path, made: list[TierChain]) -> None:
+    made.append(chain := slow_chain(tmp_path, host_blocks=8, max_pending_writes=4, persist="behind"))
+    assert chain.host is not None and chain.disk is not None
+    for i in range(6):
+        chain.demote(key(i), block(i))
+    assert len(chain.disk) == 0  # nothing leaves host: on_evict would write nothing yet
+    assert chain.persist_behind() == 2  # half the write bound at a time, oldest first
+    assert chain.drain_writes(WAIT_S)
+    assert {k for k in (key(i) for i in range(6)) if k in chain.disk} == {key(0), key(1)}
+    deadline = time.monotonic() + WAIT_S
+    while len(chain.disk) < 6:
+        assert time.monotonic() < deadline
+        chain.persist_behind()
+        time.sleep(0.005)
+    assert chain.drain_writes(WAIT_S) and chain.stats.persisted_behind == 6
+    for i in range(6):  # every record is whole, and evicting the blocks later costs no write
+        assert bytes(asyncio.run_coroutine_threadsafe(chain.disk.read(key(i)), chain.io.loop).result(WAIT_S)) == raw(i)
+    writes = chain.disk.stats.writes
+    for i in range(6, 14):
+        chain.demote(key(i), block(i))
+    assert chain.pending_writes == 0 and chain.disk.stats.writes == writes
+
+
+def test_a_block_moved_during_its_background_copy_is_not_written_torn(tmp_path: Path, made: list[TierChain]) -> None:
+    made.append(chain := slow_chain(tmp_path, host_blocks=2, persist="behind"))
+    host = chain.host
+    assert host is not None
+    chain.demote(key(0), block(0))
+    slot = host.slot_of(key(0))
+    assert slot is not None and host.snapshot(key(0), slot) == raw(0)
+    host.delete(key(0))
+    chain.demote(key(1), block(1))  # (may reuse the slot)
+    assert host.snapshot(key(0), slot) is None
+
+
+class NoLossMachine(RuleBasedStateMachine):
+    """Demotions, lookups and loads while disk writes finish at random moments on the I/O thread:
+    every block demoted is always found in some tier and loads with its own bytes (the disk is
+    big enough that its policy evicts nothing, and the write bound is never reached)."""
+
+    @initialize(persist=st.sampled_from(["on_evict", "behind"]), host_blocks=st.integers(1, 4))
+    def setup(self, persist: str, host_blocks: int) -> None:
+        self.folder = tempfile.TemporaryDirectory()
+        self.chain = slow_chain(Path(self.folder.name), host_blocks=host_blocks, persist=persist, max_delay_s=0.003)
+        self.demoted: list[int] = []
+        self.next = 0
+
+    def teardown(self) -> None:
+        chain = getattr(self, "chain", None)
+        if chain is not None:
+            chain.drain_writes(WAIT_S)
+            chain.close()
+            self.folder.cleanup()
+
+    @rule()
+    def demote(self) -> None:
+        i, self.next = self.next, self.next + 1
+        self.chain.demote(key(i), block(i))
+        self.demoted.append(i)
+
+    @rule(data=st.data())
+    def recall_and_load(self, data: st.DataObject) -> None:
+        if not self.demoted:
+            return
+        i = data.draw(st.sampled_from(self.demoted))
+        self.chain.recall([key(i)])
+        out = load(self.chain, i)
+        if out is not None:
+            assert torch.equal(out, block(i))
+        else:  # only on disk: its record is whole
+            disk = self.chain.disk
+            assert disk is not None and key(i) in disk
+            assert self.chain.io is not None
+            got = asyncio.run_coroutine_threadsafe(disk.read(key(i)), self.chain.io.loop).result(WAIT_S)
+            assert got is not None and bytes(got) == raw(i)
+
+    @rule()
+    def background(self) -> None:
+        self.chain.persist_behind()
+
+    @rule()
+    def pause(self) -> None:
+        time.sleep(0.002)  # let writes end meanwhile
+
+    @invariant()
+    def every_block_is_somewhere(self) -> None:
+        chain = self.chain
+        for i in self.demoted:
+            assert chain.on_lower_tier(key(i)) or key(i) in chain.disk, f"block {i} is in no tier"
+        assert chain.stats.dropped_writes == 0
+
+
+NoLossMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=40, deadline=None,
+                                           suppress_health_check=[HealthCheck.too_slow])
+test_no_block_in_no_tier = NoLossMachine.TestCase

@@ -1,0 +1,88 @@
+"""``persist = "behind"`` in the engine: computed device blocks and host blocks reach the disk in
+the background, so an engine that is never closed (a crash, a `kill -9`) leaves its prefixes on
+disk for the next one, which gives the cold run's exact tokens."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.engine.test_tiers_engine import flood, make_engine, prompt, run
+
+WAIT_S = 30.0
+
+
+def settle(core) -> None:
+    """Let the background writer catch up, as the engine loop's idle polls do."""
+    deadline = time.monotonic() + WAIT_S
+    while core.chain._unpersisted or core.chain.pending_writes:
+        assert time.monotonic() < deadline, "the background writes never caught up"
+        core.poll_loads()
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["host-shares-the-slab", "host-copies"])
+def test_blocks_survive_an_engine_that_is_never_closed(tiny_model_dir: Path, tmp_path: Path, share: bool) -> None:
+    folder = str(tmp_path / "kv")
+    first = make_engine(tiny_model_dir, disk_cache_path=folder, disk_persist="behind", share_host_slab=share)
+    a, b = prompt(1), prompt(2)
+    cold_a, _ = run(first, "a", a)
+    flood(first, 1)  # a's blocks go down to host
+    cold_b, _ = run(first, "b", b)  # b's stay on the device
+    settle(first)
+    chain = first.chain.snapshot()["chain"]
+    assert chain["persisted_behind"] >= 60 and chain["dropped_writes"] == 0
+    assert first.chain.disk.stats.corrupt == 0
+    # no close(): nothing is flushed, as after a kill -9; the I/O thread is a daemon
+    second = make_engine(tiny_model_dir, disk_cache_path=folder, disk_persist="behind")
+    try:
+        assert first.chain.stats.flushed_blocks == 0
+        for ids, cold, name in ((a, cold_a, "a2"), (b, cold_b, "b2")):
+            warm, cached = run(second, name, ids)
+            assert warm == cold
+            assert cached == 120
+        assert second.chain.disk.stats.hits >= 60
+    finally:
+        second.close()
+        first.chain.close()
+
+
+def test_on_evict_leaves_device_and_host_blocks_unwritten_until_close(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The default writes a block only when it leaves host memory (or at close)."""
+    core = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv"))
+    try:
+        run(core, "a", prompt(1))
+        core.poll_loads()
+        assert core.chain.pending_writes == 0 and len(core.chain.disk) == 0
+        assert core.chain.snapshot()["chain"]["persist"] == "on_evict"
+    finally:
+        core.close()
+    assert core.chain.stats.flushed_blocks >= 30
+
+
+def test_a_prefix_whose_disk_writes_are_in_flight_is_served_whole(tiny_model_dir: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within one life: a prefix pushed out of host while the disk's writes are stalled is found
+    (recalled from the writes' buffers), not recomputed from its first missing block on."""
+    import engine.core
+    from tests.cache.test_chain_no_loss import SlowDisk
+
+    monkeypatch.setattr(engine.core, "DiskTier", SlowDisk)
+    core = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv"), share_host_slab=False,
+                       host_cache_mb=1)
+    try:
+        core.chain.disk.gate.clear()  # every disk write waits
+        a = prompt(1)
+        cold, _ = run(core, "a", a)
+        for seed in range(1, 8):  # 700 blocks through a 64-block pool and a 512-block host
+            flood(core, seed)  # a's blocks left the device, then host: only the stalled writes hold them
+        assert core.chain.pending_writes > 0 and len(core.chain.disk) == 0
+        warm, cached = run(core, "a2", a)
+        assert warm == cold
+        assert cached == 120
+        assert core.chain.stats.recalled_blocks >= 1 and core.chain.stats.dropped_writes == 0
+    finally:
+        core.chain.disk.gate.set()
+        core.close()
