@@ -38,9 +38,9 @@ configuration:
   without transformers' modules)/metrics (TTFT parts and block lives in
   /admin/metrics; default true), [cache] block_size/eviction (lru|s3fifo),
   [cache.device] num_blocks, [cache.host] capacity_mb (0 = off), [cache.disk] path/capacity_mb
-  (0 = off)/persist (on_evict: a block is written when it leaves CPU memory, and all at a stop;
-  behind: also in the background as computed, so a crash loses only the last moments'; default
-  on_evict)/load_timeout_s (deadline of one batch of block reads; default 0.5)/allowed_root
+  (0 = off)/persist (behind: blocks are also written in the background as computed, so a
+  crash loses only the last moments'; on_evict: a block is written when it leaves CPU memory,
+  and all at a stop; default behind)/load_timeout_s (deadline of one batch of block reads; default 0.5)/allowed_root
   (where POST /admin/tiers may attach a disk tier), [cache.remote] url/cluster/ttl_s/write
   (through|back; section absent = off),
   [admin] api_key, [[tenants]] name/api_keys/share_group/quota, [[public_prefixes]]

@@ -90,9 +90,10 @@ class DiskCacheSettings(_Section):
     load_timeout_s: float = Field(default=0.5, gt=0, le=60)
     # where POST /admin/tiers may attach a disk tier (absolute; unset: anywhere but system folders)
     allowed_root: str | None = None
-    # on_evict: a host block is written when it leaves host memory; behind: host blocks are also
-    # written in the background, so a crash loses only the last moments' blocks
-    persist: Literal["on_evict", "behind"] = "on_evict"
+    # behind: blocks are also written in the background as they are computed, so a crash loses
+    # only the last moments' blocks and evicting them costs no write; on_evict: a block is
+    # written when it leaves host memory (docs/tiers.md, "Crash loss")
+    persist: Literal["on_evict", "behind"] = "behind"
 
     def resolved_path(self) -> str:
         from engine.tiny_model import cache_root

@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import statistics
@@ -57,8 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help=f"comma-separated, from {', '.join(SCENARIOS)} (default: all)")
     p.add_argument("--persist", default="on_evict,behind",
-                   help="comma-separated [cache.disk] persist settings to run each scenario with "
-                        "(default: on_evict,behind)")
+                   help="comma-separated [cache.disk] persist settings to run each scenario with; 'unset' "
+                        "leaves the key out (for a KVGate without it) (default: on_evict,behind)")
+    p.add_argument("--kvgate", default=None,
+                   help="the command that runs KVGate, one string (default: this venv's `kvgate`); e.g. "
+                        "'python -m app.cli' with --cwd to measure another checkout side by side")
+    p.add_argument("--cwd", type=Path, default=None, help="working folder for --kvgate (default: here)")
     p.add_argument("--seed", type=int, default=0, help="documents and shuffles (default 0)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for /ready (default 600)")
     p.add_argument("--json-out", type=Path, default=None, help="write the results here")
@@ -83,13 +88,17 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = folder / "kvgate.toml"
-        config.write_text(f'[cache.disk]\npath = "{folder / "kv"}"\npersist = "{persist}"\n')
+        persist_line = "" if persist == "unset" else f'persist = "{persist}"\n'
+        config.write_text(f'[cache.disk]\npath = "{folder / "kv"}"\n{persist_line}')
         self.log_path = folder / f"server-{label}.log"
         self._log = self.log_path.open("w")
-        kvgate = str(Path(sys.executable).with_name("kvgate"))
-        self.proc = subprocess.Popen([kvgate, "serve", "--model", args.model, "--port", str(self.port),
+        kvgate = shlex.split(args.kvgate) if args.kvgate else [str(Path(sys.executable).with_name("kvgate"))]
+        env = dict(os.environ)
+        if args.cwd is not None:  # another checkout: its own packages first
+            env["PYTHONPATH"] = str(args.cwd)
+        self.proc = subprocess.Popen([*kvgate, "serve", "--model", args.model, "--port", str(self.port),
                                       "--config", str(config)], stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, cwd=args.cwd, env=env)
         deadline = time.monotonic() + args.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -156,7 +165,18 @@ def run_pass(server: Server, docs: list[list[int]], order: list[int], question: 
     times.sort()
     return {"mean_s": statistics.mean(times), "median_s": statistics.median(times),
             "p90_s": times[min(len(times) - 1, int(0.9 * len(times)))], "cached_share": cached / prompt,
-            "requests": len(times)}
+            "requests": len(times), "tiers": tier_counters(server.url)}
+
+
+def tier_counters(url: str) -> dict[str, Any]:
+    """The chain's and the disk tier's counters after a pass (what explains its figures)."""
+    with urllib.request.urlopen(url + "/admin/metrics", timeout=60) as response:
+        tiers = json.loads(response.read())["tiers"]
+    chain, disk, host = tiers.get("chain", {}), tiers.get("disk", {}), tiers.get("host", {})
+    return {**{k: chain.get(k) for k in ("dropped_writes", "recalled_blocks", "persisted_behind", "recompute_chosen",
+                                         "prefetched_blocks", "pending_writes", "unpersisted_blocks")},
+            "disk_hits": disk.get("hits"), "disk_blocks": disk.get("blocks"), "disk_timeouts": disk.get("timeouts"),
+            "disk_writes": disk.get("writes"), "host_kept_unpersisted": host.get("kept_unpersisted")}
 
 
 def scenario(args: argparse.Namespace, name: str, persist: str, docs: list[list[int]]) -> dict[str, Any]:
@@ -259,10 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     names = [s for s in args.scenarios.split(",") if s]
     persists = [s for s in args.persist.split(",") if s]
-    bad = [s for s in names if s not in SCENARIOS] + [p for p in persists if p not in ("on_evict", "behind")]
+    bad = [s for s in names if s not in SCENARIOS] + [p for p in persists if p not in ("on_evict", "behind", "unset")]
     if bad:
         print(f"unknown scenario or persist setting: {', '.join(bad)}; scenarios are {', '.join(SCENARIOS)}, "
-              "persist settings on_evict and behind", file=sys.stderr)
+              "persist settings on_evict, behind and unset", file=sys.stderr)
         return 2
     if "c16" in names and not LOAD_PY.is_file():
         print(f"the c16 scenario needs the shared load client at {LOAD_PY}; drop c16 from --scenarios",

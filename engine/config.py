@@ -42,7 +42,9 @@ class EngineConfig:
     # to and from the device by trading rows, not copying (docs/tiers.md, "One slab on CPU")
     share_host_slab: bool = True
     flush_on_shutdown_s: float = 10.0  # write device and host blocks to disk when stopping
-    disk_persist: str = "on_evict"  # on_evict | behind: also keep host blocks written to disk (cache.tiers.chain)
+    # on_evict | behind: also write computed and host blocks in the background (cache.tiers.chain);
+    # the server's default is behind ([cache.disk] persist)
+    disk_persist: str = "on_evict"
     remote_cache_url: str | None = None  # redis:// or rediss://
     remote_cluster: bool = False
     remote_ttl_s: int = 86400

@@ -222,8 +222,8 @@ class EngineCore:
         ``{"ok", "action", "tier"}`` plus, after an attach, the tier's ``healthy`` and its ``path``,
         ``url`` or ``capacity_blocks`` (`/admin/metrics` has the counters).
 
-        Raises ValueError (bad request, or a remote store that does not answer: it is not left
-        attached) or OSError (e.g. a disk folder that cannot be created).
+        Raises ValueError (bad request) or OSError (e.g. a disk folder that cannot be created).
+        Whether a remote store answers is asked before, off the step loop (`AsyncEngine`).
         """
         options = dict(options or {})
         if name not in self._TIER_OPTIONS:
@@ -251,10 +251,6 @@ class EngineCore:
                 raise ValueError(f"write must be through or back, got {write!r}")
             tier = self._make_tier(name, options)
             chain.attach(name, tier, remote_write=write)
-            problem = chain.reach_remote() if name == "remote" else None
-            if problem is not None:
-                chain.detach(name)
-                raise ValueError(f"cannot reach the remote store {tier.safe_url()}: {problem}; not attached")
             for tenant in self._quotas:
                 self._apply_quota(tenant)
         logger.info("cache tier %s %sed", name, action)

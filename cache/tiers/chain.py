@@ -852,7 +852,7 @@ class TierChain:
                                         "quota_evictions": self.remote.quota_evictions})
         return out
 
-    # ---- hostile folders and unreachable stores -----------------------------------------------
+    # ---- hostile folders ----------------------------------------------------------------------
     STALLED = -1  # what a read future settles with when its batch ran past the deadline
 
     async def _read_into(self, keys: list[bytes], slots: list[Reservation | None], disk: DiskTier,
@@ -868,16 +868,6 @@ class TierChain:
             for key, payload, reserved in zip(keys, payloads, slots, strict=True):
                 self._events.put(("block", key, (payload, reserved)))
         return [len(p) if p is not None else 0 for p in payloads]
-
-    def reach_remote(self, timeout_s: float = 2.0) -> str | None:
-        """Whether the remote tier answers a PING: None, or the connection error (step loop; an
-        attach calls it so that a store nobody listens at is refused, not attached)."""
-        assert self.remote is not None and self.io is not None
-        try:
-            self.io.submit(self.remote.ping(timeout_s)).result(timeout=timeout_s + 1.0)
-        except Exception as exc:
-            return f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (no answer in {timeout_s:g} s)"
-        return None
 
 
 def _asdict(stats: ChainStats) -> dict[str, Any]:

@@ -174,11 +174,7 @@ class RemoteTier:
                 pass
 
     def safe_url(self) -> str:
-        url = self.url
-        if "@" in url:  # never log a password
-            scheme, rest = url.split("://", 1)
-            url = f"{scheme}://***@{rest.split('@', 1)[1]}"
-        return url
+        return safe_url(self.url)
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Which of ``keys`` the store holds (one pipelined round trip); all False when down."""
@@ -347,14 +343,40 @@ class RemoteTier:
             self.stats.evictions += len(victims)
             self.unstored.extend(bytes.fromhex(v[len(self.prefix):]) for v in victims if v.startswith(self.prefix))
 
-    async def ping(self, timeout_s: float) -> None:
-        """Raise the connection error unless the store answers a PING within ``timeout_s`` (an
-        attach checks the store is there; the breaker is left alone)."""
-        try:
-            await asyncio.wait_for(self._connect().ping(), timeout_s)
-        except BaseException:
-            await self._reset()
-            raise
-
     async def close(self) -> None:
         await self._reset()
+
+
+def safe_url(url: str) -> str:
+    """``url`` without its password (never logged or shown)."""
+    if "@" in url:
+        scheme, rest = url.split("://", 1)
+        url = f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
+
+
+async def reach_store(url: str, cluster: bool = False, timeout_s: float = 2.0) -> str | None:
+    """None if the store at ``url`` answers a PING within ``timeout_s``, else why not (a line).
+    An attach asks this first, from the API process, so that a store nobody listens at is
+    refused instead of attached, and the step loop never waits on the network for it."""
+    kwargs: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    client: Any = None
+    try:
+        if cluster:
+            from redis.asyncio.cluster import RedisCluster
+
+            client = RedisCluster.from_url(url, **kwargs)
+        else:
+            from redis.asyncio import Redis
+
+            client = Redis.from_url(url, **kwargs)
+        await asyncio.wait_for(client.ping(), timeout_s)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (no answer in {timeout_s:g} s)"
+    finally:
+        if client is not None:
+            try:
+                await client.aclose()
+            except Exception:  # a half-open connection may fail to close; it is dropped either way
+                pass
+    return None

@@ -6,7 +6,6 @@ not answer, with short replies (issue 39)."""
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import time
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from tests.app.conftest import assert_error, free_port
+from tests.app.test_tiers_http import _complete, _ids
 
 LOAD_TIMEOUT_S = 2.0
 NO_HOST = f"""
@@ -33,21 +33,9 @@ capacity_mb = 0
 
 [cache.disk]
 load_timeout_s = {LOAD_TIMEOUT_S}
+persist = "on_evict"  # only evicted blocks reach the folder: its files are the prompt's, nothing rewrites them
 """
 PROMPT_BLOCKS = 18  # full blocks of a 300-token prompt
-
-
-def _ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(n)]
-
-
-def _complete(url: str, ids: list[int], max_tokens: int = 8) -> tuple[str, int]:
-    body = {"model": "tiny", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    response = httpx.post(url + "/v1/completions", json=body, timeout=60)
-    assert response.status_code == 200, response.text
-    data = response.json()
-    return data["choices"][0]["text"], data["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 def _metrics(url: str) -> dict:

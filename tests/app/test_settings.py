@@ -61,6 +61,7 @@ def test_kvgate_config_env(tmp_path: Path) -> None:
     ("[cache.device]\nnum_blocks = 0\n", "'cache.device.num_blocks'"),
     ("[cache.remote]\nurl = 'http://x'\n", "'cache.remote.url'"),
     ("[cache.remote]\nwrite = 'sideways'\n", "'cache.remote.write'"),
+    ("[cache.disk]\npersist = 'sometimes'\n", "'cache.disk.persist'"),
     ("[server]\nport = 'eighty'\n", "'server.port'"),
     ("[engine]\nmax_num_batched_tokens = 4\n", "max_num_batched_tokens"),
     ("not toml [", "not valid TOML"),
@@ -87,6 +88,12 @@ def test_host_and_disk_tiers_are_on_by_default(tmp_path: Path, monkeypatch: pyte
     assert s3.engine_config().tier_policy == "s3fifo" and s3.engine_config().disk_cache_path == "/x/kv"
     with pytest.raises(ConfigError, match="eviction"):
         load_settings(_write(tmp_path, '[cache]\neviction = "mru"\n'), env={})
+
+
+def test_disk_blocks_are_written_behind_by_default(tmp_path: Path) -> None:
+    assert load_settings(env={}).engine_config().disk_persist == "behind"
+    on_evict = load_settings(_write(tmp_path, '[cache.disk]\npersist = "on_evict"\n'), env={})
+    assert on_evict.engine_config().disk_persist == "on_evict"
 
 
 def test_remote_tier_settings_reach_the_engine(tmp_path: Path) -> None:

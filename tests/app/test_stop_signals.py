@@ -11,7 +11,14 @@ import signal
 import httpx
 import pytest
 
+from tests.app.test_lifecycle import _is_zombie
 from tests.app.test_tiers_http import _complete, _ids, _tiers
+
+
+ON_EVICT = """
+[cache.disk]
+persist = "on_evict"
+"""
 
 
 def _engine_pid(url: str) -> int:
@@ -25,7 +32,8 @@ def test_a_stop_signal_to_any_part_flushes_and_a_restart_serves_from_disk(start_
                                                                           sig) -> None:
     folder = str(tmp_path / "kv")
     prompt = _ids(40 + sig, 300)  # 18 full blocks
-    first = start_server("--model", "tiny", "--disk-cache", folder, new_session=True)
+    # on_evict: the blocks reach the disk only by the flush (behind would have written them already)
+    first = start_server("--model", "tiny", "--disk-cache", folder, new_session=True, config=ON_EVICT)
     cold, cached = _complete(first.url, prompt)
     assert cached == 0
     engine_pid = _engine_pid(first.url)
@@ -49,11 +57,3 @@ def test_a_stop_signal_to_any_part_flushes_and_a_restart_serves_from_disk(start_
     assert warm == cold
     assert cached == 288
     assert _tiers(second.url)["disk"]["hits"] >= 18
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True

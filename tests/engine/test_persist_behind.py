@@ -50,8 +50,8 @@ def test_blocks_survive_an_engine_that_is_never_closed(tiny_model_dir: Path, tmp
 
 
 def test_on_evict_leaves_device_and_host_blocks_unwritten_until_close(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """The default writes a block only when it leaves host memory (or at close)."""
-    core = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv"))
+    """on_evict writes a block only when it leaves host memory (or at close)."""
+    core = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv"), disk_persist="on_evict")
     try:
         run(core, "a", prompt(1))
         core.poll_loads()
