@@ -14,7 +14,6 @@ import pytest
 from tests.app.test_lifecycle import _is_zombie
 from tests.app.test_tiers_http import _complete, _ids, _tiers
 
-
 ON_EVICT = """
 [cache.disk]
 persist = "on_evict"
