@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -324,16 +325,20 @@ class EngineCore:
                               block_tokens=self.block_size, prefill_tokens_per_s=self._prefill_tps,
                               owner=seq.tenant)
 
-    def _write_through(self, work: list[ScheduledSeq]) -> None:
-        """Send the blocks this step filled to the remote tier (write-through mode)."""
-        assert self.chain is not None
-        by_owner: dict[str, list[tuple[bytes, bytes]]] = {}
+    def _filled_blocks(self, work: list[ScheduledSeq]) -> Iterator[tuple[Any, bytes, str]]:
+        """(block, its hash, its owner) for each hashed block this step filled."""
         for s in work:
             lo, hi = s.start // self.block_size, (s.start + s.num_new) // self.block_size
             for i, block in enumerate(self.manager.blocks(s.seq.seq_id)[lo:hi], lo):
                 if block.block_hash is not None:
-                    owner = PUBLIC if i < s.seq.public_blocks else s.seq.tenant
-                    by_owner.setdefault(owner, []).append((block.block_hash, self.storage.read_block(block.slot)))
+                    yield block, block.block_hash, PUBLIC if i < s.seq.public_blocks else s.seq.tenant
+
+    def _write_through(self, work: list[ScheduledSeq]) -> None:
+        """Send the blocks this step filled to the remote tier (write-through mode)."""
+        assert self.chain is not None
+        by_owner: dict[str, list[tuple[bytes, bytes]]] = {}
+        for block, key, owner in self._filled_blocks(work):
+            by_owner.setdefault(owner, []).append((key, self.storage.read_block(block.slot)))
         for owner, items in by_owner.items():
             self.chain.write_remote(items, owner)
 
@@ -348,14 +353,8 @@ class EngineCore:
     def _note_computed(self, work: list[ScheduledSeq]) -> None:
         """Offer the blocks this step filled to the chain's background writer."""
         assert self.chain is not None
-        for s in work:
-            lo, hi = s.start // self.block_size, (s.start + s.num_new) // self.block_size
-            for i, block in enumerate(self.manager.blocks(s.seq.seq_id)[lo:hi], lo):
-                key = block.block_hash
-                if key is not None:
-                    owner = PUBLIC if i < s.seq.public_blocks else s.seq.tenant
-                    self.chain.note_computed(key, functools.partial(self._copy_device_block, block, key, block.slot),
-                                             owner)
+        for block, key, owner in self._filled_blocks(work):
+            self.chain.note_computed(key, functools.partial(self._copy_device_block, block, key, block.slot), owner)
 
     def _copy_device_block(self, block: Any, key: bytes, slot: int) -> bytes | None:
         """A cached device block's bytes, copied on a writer thread: None once the block no longer

@@ -70,7 +70,7 @@ class ChainStats:
     dropped_writes: int = 0
     flushed_blocks: int = 0
     recalled_blocks: int = 0  # asked for while their disk write was in flight: served from its buffer
-    persisted_behind: int = 0  # host blocks written to disk by persist = "behind"
+    persisted_behind: int = 0  # host and computed device blocks written to disk by persist = "behind"
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,8 +328,7 @@ class TierChain:
         """Copy a host-resident (or just prefetched) block into ``dst``; False if neither has it."""
         staged = self._staged.pop(key, None)
         if staged is not None:
-            writable = isinstance(staged, memoryview) and not staged.readonly  # (a Redis reply: no extra copy)
-            dst.copy_(torch.frombuffer(staged if writable else bytearray(staged), dtype=torch.uint8))
+            _copy_into(dst, staged)  # (a Redis reply is writable: no extra copy)
             self.stats.promotions += 1
             return True
         if self.host is not None and self.host.load_into(key, dst):
