@@ -171,7 +171,7 @@ def _engine(s: dict[str, Any]) -> Iterator[Metric]:
 
 
 def _tiers(tiers: dict[str, Any]) -> Iterator[Metric]:
-    names = [n for n in ("host", "disk", "remote") if n in tiers]
+    names = [n for n, entry in tiers.items() if isinstance(entry, dict) and "traits" in entry]
     if not names:
         return
     for field, (suffix, doc) in TIER_COUNTERS.items():

@@ -46,18 +46,23 @@ async def ready(request: Request) -> JSONResponse:
 
 
 class TierChange(BaseModel):
-    """Body of `POST /admin/tiers`: attach or detach one cache tier of the running engine."""
+    """Body of `POST /admin/tiers`: attach or detach one cache tier of the running engine.
 
-    model_config = ConfigDict(extra="forbid")
+    ``tier`` names a kind of tier (`GET /admin/tiers` lists the attached ones; the built-in kinds
+    are host, disk and remote). The other fields are that kind's options, checked by the kind
+    itself: host takes ``capacity_mb``; disk ``path`` and ``capacity_mb``; remote ``url``,
+    ``cluster``, ``ttl_s`` and ``write`` (through | back)."""
+
+    model_config = ConfigDict(extra="allow")
 
     action: Literal["attach", "detach"]
-    tier: Literal["host", "disk", "remote"]
-    capacity_mb: int | None = Field(default=None, gt=0)
+    tier: str = Field(min_length=1, max_length=64)
+    capacity_mb: int | None = None
     path: str | None = None
     url: str | None = None
     cluster: bool | None = None
-    ttl_s: int | None = Field(default=None, gt=0)
-    write: Literal["through", "back"] | None = None
+    ttl_s: int | None = None
+    write: str | None = None
 
 
 @router.get("/admin/tiers", dependencies=[AdminAccess])

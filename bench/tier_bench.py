@@ -115,7 +115,7 @@ class Bench:
         chain = self.core.chain
         chain.flush([], timeout_s=120)
         chain.drain_writes(120)
-        chain.host.clear()
+        chain.memory.clear()
 
 
 def tier_section(bench: Bench) -> dict[str, Any]:
@@ -123,7 +123,7 @@ def tier_section(bench: Bench) -> dict[str, Any]:
     core = bench.core
     block_bytes = core.storage.block_nbytes
     nblocks = args.cached_tokens // core.block_size
-    tiers = ["recompute", "device", "host", "disk"] + (["remote"] if core.chain.remote is not None else [])
+    tiers = ["recompute", "device", "host", "disk"] + (["remote"] if core.chain.shared is not None else [])
     results: dict[str, list[dict[str, float]]] = {k: [] for k in tiers}
     bench.ttft(bench.ids(args.prompt_tokens))  # warm-up
     for r in range(args.repeats):
@@ -137,27 +137,27 @@ def tier_section(bench: Bench) -> dict[str, Any]:
                     bench.drop_host_to_disk()
                 if tier == "remote":  # written through as computed; now only Redis holds it
                     core.chain.drain_writes(120)
-                    core.chain.host.clear()
+                    core.chain.memory.clear()
             # background writes must not overlap the measured request: the priming request's
             # write-through to Redis, host victims an earlier request spilled to disk
             core.chain.drain_writes(120)
-            host0 = dict(core.chain.host.stats.snapshot())
-            disk0 = dict(core.chain.disk.stats.snapshot())
-            remote0 = dict(core.chain.remote.stats.snapshot()) if core.chain.remote is not None else {}
+            host0 = dict(core.chain.memory.stats.snapshot())
+            disk0 = dict(core.chain.store.stats.snapshot())
+            remote0 = dict(core.chain.shared.stats.snapshot()) if core.chain.shared is not None else {}
             wait0 = core.chain.stats.prefetch_wait_s
             t, cached = bench.ttft(prefix + bench.ids(args.prompt_tokens - args.cached_tokens))
             row: dict[str, float] = {"ttft_s": t, "cached_tokens": cached}
             if tier == "host":
-                s = core.chain.host.stats
+                s = core.chain.memory.stats
                 row["load_s"] = s.read_time_s - host0["read_time_s"]
                 row["load_bytes"] = s.bytes_read - host0["bytes_read"]
                 row["handovers"] = s.handovers - host0["handovers"]
             if tier == "disk":  # reads overlap: the rate is bytes over the batch's wall time
-                s = core.chain.disk.stats
+                s = core.chain.store.stats
                 row["load_s"] = core.chain.stats.prefetch_wait_s - wait0
                 row["load_bytes"] = s.bytes_read - disk0["bytes_read"]
             if tier == "remote":
-                s = core.chain.remote.stats
+                s = core.chain.shared.stats
                 row["load_s"] = s.read_time_s - remote0["read_time_s"]
                 row["load_bytes"] = s.bytes_read - remote0["bytes_read"]
             results[tier].append(row)
@@ -171,7 +171,7 @@ def tier_section(bench: Bench) -> dict[str, Any]:
         return src.numel()
 
     memcpy_bps = median_rate(memcpy)
-    files = sorted(Path(core.chain.disk.dir).glob("*.kvb"))[:nblocks]
+    files = sorted(Path(core.chain.store.dir).glob("*.kvb"))[:nblocks]
 
     # A load has to leave the bytes in memory, so the ceiling reads every file into its own part
     # of one buffer as large as all of them (touched first, like a used host slab). Reading each
@@ -197,8 +197,8 @@ def tier_section(bench: Bench) -> dict[str, Any]:
     read_bps = median_rate(read_files)
     discard_bps = median_rate(read_files_discarding)
     redis_bps = redis_one_bps = redis_py_bps = None
-    if core.chain.remote is not None:
-        redis_bps, redis_one_bps, redis_py_bps = redis_ceilings(args.redis_url, nblocks, core.chain.remote.fmt.record_size)
+    if core.chain.shared is not None:
+        redis_bps, redis_one_bps, redis_py_bps = redis_ceilings(args.redis_url, nblocks, core.chain.shared.fmt.record_size)
     med = {tier: statistics.median(r["ttft_s"] for r in rows) for tier, rows in results.items()}
     copied = [r["load_bytes"] / r["load_s"] for r in results["host"] if r.get("load_s") and r["load_bytes"]]
     host_bps = statistics.median(copied) if copied else None  # None: rows traded, nothing copied
@@ -208,7 +208,7 @@ def tier_section(bench: Bench) -> dict[str, Any]:
             "host_load_bytes_per_s": host_bps, "disk_load_bytes_per_s": disk_bps,
             "host_handovers": statistics.median(r.get("handovers", 0) for r in results["host"]),
             "host_handover_s": handover_s,
-            "host_shares_the_slab": bool(core.chain.host.shared),
+            "host_shares_the_slab": bool(core.chain.memory.shared),
             "memcpy_bytes_per_s": memcpy_bps, "file_read_bytes_per_s": read_bps,
             "file_read_discarding_bytes_per_s": discard_bps, "redis_get_bytes_per_s": redis_bps,
             "redis_get_one_pipeline_bytes_per_s": redis_one_bps,

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cache.tiers.remote import reach_store, safe_url
+from cache.tiers import factory
 from engine.backends import ProcessBackend, ThreadBackend
 from engine.config import EngineConfig
 from engine.core import SeqOutput
@@ -260,20 +260,20 @@ class AsyncEngine:
     async def configure_tier(self, action: str, tier: str, options: dict[str, Any]) -> dict[str, Any]:
         """Attach or detach a cache tier in the running engine; returns what changed.
 
-        Raises ``InvalidRequestError`` with the engine's reason when it cannot be done. A remote
-        store to attach must answer a PING first (asked here, so the step loop never waits on
-        the network): one that does not is refused and nothing is attached.
+        Raises ``InvalidRequestError`` with the engine's reason when it cannot be done. A tier
+        kind's preflight runs here first (a store must answer: asked here, so the step loop never
+        waits on the network); a tier that fails it is refused and nothing is attached.
         """
         if not self.ready:
             raise EngineNotReadyError("the engine is not ready; retry shortly")
-        if action == "attach" and tier == "remote":
-            config = self.backend.config
-            url = options.get("url", config.remote_cache_url)
-            if isinstance(url, str) and url.startswith(("redis://", "rediss://")):  # (else the engine says why)
-                problem = await reach_store(url, bool(options.get("cluster", config.remote_cluster)))
-                if problem is not None:
-                    raise InvalidRequestError(f"cannot reach the remote store {safe_url(url)}: {problem}; "
-                                              "not attached", param="url")
+        if action == "attach" and tier in factory.KINDS:
+            try:  # (the engine validates again, with the same model, when it builds the tier)
+                chosen = factory.validate(tier, self.backend.config.tier_options().get(tier, {}), options)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param="tier") from None
+            problem = await factory.preflight(tier, chosen)
+            if problem is not None:
+                raise InvalidRequestError(f"{problem}; not attached", param="tier")
         reply = await self._call("tiers", action, tier, options)
         if not reply.get("ok"):
             raise InvalidRequestError(reply.get("error", "tier change failed"), param="tier")

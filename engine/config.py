@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from cache.tiers import factory
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -59,12 +62,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.host_cache_mb < 0 or self.disk_cache_mb <= 0:
-            raise ValueError("host_cache_mb must be >= 0 and disk_cache_mb > 0")
-        if not self.disk_load_timeout_s > 0:
-            raise ValueError(f"disk_load_timeout_s must be positive, got {self.disk_load_timeout_s!r}")
-        if self.remote_write not in ("through", "back"):
-            raise ValueError(f"remote_write must be through or back, got {self.remote_write!r}")
+        if self.host_cache_mb < 0:
+            raise ValueError(f"host_cache_mb must be >= 0 (0: no host tier), got {self.host_cache_mb!r}")
+        options = self.tier_options()
+        for name in self.tiers_on():  # each kind's own options model says what is wrong
+            factory.validate(name, options[name])
         if self.disk_persist not in ("on_evict", "behind"):
             raise ValueError(f"disk_persist must be on_evict or behind, got {self.disk_persist!r}")
         if self.tier_policy not in ("lru", "s3fifo"):
@@ -73,3 +75,19 @@ class EngineConfig:
             raise ValueError("num_blocks must be at least 2")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
+
+    def tier_options(self) -> dict[str, dict[str, Any]]:
+        """Each tier kind's options as configured (cache.tiers.factory validates them): what an
+        attach starts from. A host tier attached while configured off gets 1 GiB."""
+        return {
+            "host": {"capacity_mb": self.host_cache_mb or 1024},
+            "disk": {"path": self.disk_cache_path or "", "capacity_mb": self.disk_cache_mb,
+                     "load_timeout_s": self.disk_load_timeout_s},
+            "remote": {"url": self.remote_cache_url or "", "cluster": self.remote_cluster, "ttl_s": self.remote_ttl_s,
+                       "write": self.remote_write, "timeout_s": self.remote_timeout_s},
+        }
+
+    def tiers_on(self) -> list[str]:
+        """The tiers the engine starts with, top down."""
+        on = {"host": self.host_cache_mb > 0, "disk": bool(self.disk_cache_path), "remote": bool(self.remote_cache_url)}
+        return [name for name, wanted in on.items() if wanted]

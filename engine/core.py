@@ -23,11 +23,9 @@ from cache.hashing import root_hash
 from cache.kv_storage import KVStorage
 from cache.manager import KVCacheManager
 from cache.quota import PUBLIC, UNKNOWN
+from cache.tiers import factory
 from cache.tiers.chain import RETRY, TierChain
 from cache.tiers.codec import BlockFormat
-from cache.tiers.disk import DiskTier
-from cache.tiers.host import HostTier
-from cache.tiers.remote import RemoteTier
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.heap import keep_heap_memory
@@ -97,9 +95,9 @@ class EngineCore:
             config.num_blocks, self.loaded.num_layers, config.block_size, self.loaded.num_kv_heads,
             self.loaded.head_dim, dtype=self.loaded.dtype, device=self.loaded.device,
             spare_rows=self._host_rows(config))
-        # storage rows no block and no host tier owns: what a host tier sharing the slab takes
-        self._spare_rows = list(self.storage.spare())
-        self._orphan_rows: set[int] = set()  # rows a detached host tier's disk reads were filling
+        # storage rows no device block owns, lent to a host tier sharing the pool's tensor
+        self.rows = factory.RowBank(self.storage.slab() if self.storage.device.type == "cpu" else None,
+                                    list(self.storage.spare()))
         self.fingerprint = model_fingerprint(self.loaded.model, config.dtype, config.block_size,
                                              self.loaded.kv_shape)
         if config.pack_weights:
@@ -158,14 +156,12 @@ class EngineCore:
 
     # ---- tiers below the device ---------------------------------------------------------------
     def _build_chain(self, config: EngineConfig) -> TierChain | None:
-        host = self._make_tier("host", {}) if config.host_cache_mb > 0 else None
-        disk = self._make_tier("disk", {}) if config.disk_cache_path else None
-        remote = self._make_tier("remote", {}) if config.remote_cache_url else None
-        if host is None and disk is None and remote is None:
+        names = config.tiers_on()
+        if not names:
             return None
-        logger.info("cache tiers host_mb=%d disk=%s remote=%s", config.host_cache_mb, disk.dir if disk is not None else None,
-                    remote.safe_url() if remote is not None else None)
-        return TierChain(host, disk, remote=remote, remote_write=config.remote_write, persist=config.disk_persist)
+        tiers = [self._make_tier(name, {}) for name in names]
+        logger.info("cache tiers: %s", "; ".join(f"{t.name} {_summary(t)}" for t in tiers))
+        return TierChain(tiers, persist=config.disk_persist)
 
     def _use_chain(self, chain: TierChain) -> None:
         """Put the chain under the device pool: evictions demote into it, admissions promote from it."""
@@ -173,116 +169,70 @@ class EngineCore:
         self.manager.pool.on_evict = self._demote
         self.scheduler.promote = self._promote
 
-    _TIER_OPTIONS = {"host": {"capacity_mb"}, "disk": {"path", "capacity_mb"},
-                     "remote": {"url", "cluster", "ttl_s", "write"}}
-
-    def _make_tier(self, name: str, options: dict[str, Any]) -> Any:
-        """Build a tier from the engine config, ``options`` overriding it; ValueError if invalid."""
-        tier = self._new_tier(name, options)
+    def _make_tier(self, name: str, overrides: dict[str, Any], trusted: bool = True) -> Any:
+        """Build a tier from the engine config, ``overrides`` (a request's) on top; ValueError if invalid."""
+        options = factory.validate(name, self.config.tier_options().get(name, {}), overrides)
+        ctx = factory.BuildContext(self.block_format, self.storage.block_nbytes, self.config.tier_policy,
+                                   pin_memory=self.storage.device.type == "cuda",
+                                   rows=self.rows,
+                                   allowed_root=self.config.disk_allowed_root, trusted=trusted)
+        tier = factory.build(name, options, ctx)
         tier.life.enabled = self.config.metrics
         return tier
 
-    def _new_tier(self, name: str, options: dict[str, Any]) -> Any:
-        config = self.config
-        unknown = set(options) - self._TIER_OPTIONS[name]
-        if unknown:
-            raise ValueError(f"unknown option(s) for the {name} tier: {', '.join(sorted(unknown))}; "
-                             f"allowed: {', '.join(sorted(self._TIER_OPTIONS[name]))}")
-        default_mb = (config.host_cache_mb or 1024) if name == "host" else config.disk_cache_mb
-        capacity = options.get("capacity_mb", default_mb)
-        if name in ("host", "disk") and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0):
-            raise ValueError(f"capacity_mb must be a positive integer, got {capacity!r}")
-        if name == "host":
-            rows = (capacity << 20) // self.storage.block_nbytes
-            if 0 < rows <= len(self._spare_rows):  # room in the pool's own tensor: trade rows, copy nothing
-                taken, self._spare_rows = self._spare_rows[:rows], self._spare_rows[rows:]
-                return HostTier(capacity << 20, self.storage.block_nbytes, config.tier_policy,
-                                slab=self.storage.slab(), rows=taken)
-            return HostTier(capacity << 20, self.storage.block_nbytes, config.tier_policy,
-                            pin=self.storage.device.type == "cuda")
-        fmt = self.block_format
-        if name == "disk":
-            path = options.get("path", config.disk_cache_path)
-            if not isinstance(path, str) or not path:
-                raise ValueError("the disk tier needs a path (a folder)")
-            if "path" in options:  # named over HTTP, so not trusted as the configured folder is
-                from cache.tiers.folders import attachable_folder
-
-                path = str(attachable_folder(path, config.disk_allowed_root))
-            return DiskTier(path, capacity << 20, fmt, config.tier_policy, load_timeout_s=config.disk_load_timeout_s)
-        url = options.get("url", config.remote_cache_url)
-        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://")):
-            raise ValueError(f"the remote tier needs a url starting with redis:// or rediss://, got {url!r}")
-        ttl = options.get("ttl_s", config.remote_ttl_s)
-        if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl <= 0:
-            raise ValueError(f"ttl_s must be a positive integer, got {ttl!r}")
-        return RemoteTier(url, fmt, ttl, bool(options.get("cluster", config.remote_cluster)), config.remote_timeout_s)
-
     def configure_tier(self, action: str, name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Attach or detach the host, disk or remote tier while serving; returns what changed:
-        ``{"ok", "action", "tier"}`` plus, after an attach, the tier's ``healthy`` and its ``path``,
-        ``url`` or ``capacity_blocks`` (`/admin/metrics` has the counters).
+        """Attach or detach a tier while serving; returns what changed: ``{"ok", "action",
+        "tier"}`` plus, after an attach, the tier's ``healthy`` and what it describes of itself
+        (`/admin/metrics` has the counters).
 
         Raises ValueError (bad request) or OSError (e.g. a disk folder that cannot be created).
-        Whether a remote store answers is asked before, off the step loop (`AsyncEngine`).
+        Whether a store answers is asked before, off the step loop (`AsyncEngine`).
         """
-        options = dict(options or {})
-        if name not in self._TIER_OPTIONS:
-            raise ValueError(f"unknown tier {name!r}; use host, disk or remote")
+        factory.kind_of(name)
         if action not in ("attach", "detach"):
             raise ValueError(f"unknown action {action!r}; use attach or detach")
         if self.chain is None:
-            self._use_chain(TierChain(None, None, remote_write=self.config.remote_write,
-                                      persist=self.config.disk_persist))
+            self._use_chain(TierChain(persist=self.config.disk_persist))
         chain = self.chain
         assert chain is not None
         if action == "detach":
-            if getattr(chain, name) is None:
-                raise ValueError(f"the {name} tier is not attached")
-            tier = getattr(chain, name)
-            chain.detach(name, self.config.flush_on_shutdown_s)
-            if name == "host" and tier.shared:  # its rows wait for the next host tier
-                self._spare_rows += sorted(tier.rows() - tier.reserved_rows())
-                self._orphan_rows |= tier.reserved_rows()  # (the detached tier's reads still write there)
+            tier = chain.detach(name, self.config.flush_on_shutdown_s)
+            if getattr(tier, "shared", False):  # a memory tier on the pool's rows: they wait for the next one
+                self.rows.give_back(tier.rows() - tier.reserved_rows(), tier.reserved_rows())
         else:
-            if getattr(chain, name) is not None:
+            if chain.tier(name) is not None:
                 raise ValueError(f"the {name} tier is already attached; detach it first")
-            write = options.pop("write", None) if name == "remote" else None
-            if write not in (None, "through", "back"):
-                raise ValueError(f"write must be through or back, got {write!r}")
-            tier = self._make_tier(name, options)
-            chain.attach(name, tier, remote_write=write)
+            tier = self._make_tier(name, dict(options or {}), trusted=False)
+            try:
+                chain.attach(tier)
+            except ValueError:
+                if getattr(tier, "shared", False):
+                    self.rows.give_back(tier.rows(), set())
+                raise
             for tenant in self._quotas:
                 self._apply_quota(tenant)
         logger.info("cache tier %s %sed", name, action)
         reply: dict[str, Any] = {"ok": True, "action": action, "tier": name}
-        if action == "attach" and name == "disk":
-            problem = tier.health()
-            reply.update(path=str(tier.dir), capacity_blocks=tier.capacity_blocks, healthy=problem is None,
-                         **({"unhealthy_reason": problem} if problem else {}))
-        elif action == "attach" and name == "remote":
-            reply.update(url=tier.safe_url(), healthy=True)
-        elif action == "attach":
-            reply.update(capacity_blocks=tier.capacity_blocks, healthy=True)
+        if action == "attach":
+            detail = tier.describe()
+            reply.update({k: detail[k] for k in ("path", "url", "unhealthy_reason") if detail.get(k) is not None})
+            reply["healthy"] = detail.get("healthy", True)
+            if tier.capacity_blocks:
+                reply["capacity_blocks"] = tier.capacity_blocks
         return reply
 
     def _apply_quota(self, tenant: str) -> None:
         """Give every tier the tenant's latest block quota (`cache.quota`); a tier without one in
-        the request's quota is unlimited for it. Remote quotas are kept in Redis under a tag that
+        the request's quota is unlimited for it. A shared store keeps its quotas under a tag that
         only this server's secret links to the tenant."""
         quota, salt = self._quotas[tenant]
         self.manager.pool.ledger.set_limit(tenant, quota.get("device"))
         chain = self.chain
         if chain is None:
             return
-        for tier in (chain.host, chain.disk):
-            if tier is not None:
-                tier.ledger.set_limit(tenant, quota.get(tier.name))
-        if chain.remote is not None and "remote" in quota:
-            tag = hashlib.blake2b(tenant.encode(), key=salt[:64], digest_size=12, person=b"kvgate-owner").hexdigest()
-            chain.remote.set_account(tenant, tag, quota["remote"])
-        elif chain.remote is not None:
-            chain.remote.drop_account(tenant)
+        tag = hashlib.blake2b(tenant.encode(), key=salt[:64], digest_size=12, person=b"kvgate-owner").hexdigest()
+        for tier in chain.tiers:
+            tier.apply_quota(tenant, tag, quota.get(tier.name))
 
     def _demote(self, block: Any, block_hash: bytes) -> None:
         assert self.chain is not None
@@ -320,7 +270,7 @@ class EngineCore:
             return False
         chain.recall(rest, seq.tenant)  # blocks whose disk writes are still in flight: back into host
         need = chain.plan_prefetch(rest, self.block_size, self._prefill_tps)
-        remote_keys = rest[chain.local_end(rest):] if chain.remote is not None else []
+        remote_keys = rest[chain.local_end(rest):] if chain.shared is not None else []
         return chain.prefetch(request_id, need, also_wait_for=rest, remote_keys=remote_keys,
                               block_tokens=self.block_size, prefill_tokens_per_s=self._prefill_tps,
                               owner=seq.tenant)
@@ -347,7 +297,7 @@ class EngineCore:
         """Whether computed device blocks are written to disk in the background (``persist =
         "behind"``, a disk tier, and KV in CPU memory, which a writer thread can copy from)."""
         chain = self.chain
-        return (chain is not None and chain.persist == "behind" and chain.disk is not None
+        return (chain is not None and chain.persist == "behind" and chain.store is not None
                 and self.storage.device.type == "cpu")
 
     def _note_computed(self, work: list[ScheduledSeq]) -> None:
@@ -421,10 +371,10 @@ class EngineCore:
         every KV storage row has exactly one owner — a device block, the host tier, or the spare
         list (rows a detached host tier's reads still fill excepted)."""
         self.manager.check_invariants()
-        host = self.chain.host if self.chain is not None else None
+        host = self.chain.memory if self.chain is not None else None
         if host is not None:
             host.check_invariants()
-        owners = [b.slot for b in self.manager.pool.blocks] + self._spare_rows + sorted(self._orphan_rows)
+        owners = [b.slot for b in self.manager.pool.blocks] + self.rows.owners()
         if host is not None and host.shared:
             owners += sorted(host.rows())
         assert sorted(owners) == list(range(self.storage.num_rows)), "a storage row has no owner or two"
@@ -434,7 +384,7 @@ class EngineCore:
         chain = self.chain
         if chain is None:
             return
-        if chain.disk is not None and self.config.flush_on_shutdown_s > 0:
+        if chain.store is not None and self.config.flush_on_shutdown_s > 0:
             storage = self.storage
             ledger = self.manager.pool.ledger
             blocks = [(h, lambda b=b: storage.read_block(b.slot), ledger.owner_of(h) or UNKNOWN)
@@ -443,7 +393,7 @@ class EngineCore:
             written = chain.flush(blocks, self.config.flush_on_shutdown_s)
             drained = chain.drain_writes(self.config.flush_on_shutdown_s)
             logger.info("cache tiers flushed %d blocks to disk in %.1f s (%d blocks there in all)%s", written,
-                        time.monotonic() - t0, len(chain.disk),
+                        time.monotonic() - t0, len(chain.store),
                         "" if drained else f"; {chain.pending_writes} writes still in flight were abandoned")
         chain.close()
 
@@ -628,12 +578,10 @@ class EngineCore:
     # ---- accounting -------------------------------------------------------------------------
     def archetype(self, tiers: dict[str, Any]) -> dict[str, Any]:
         """The KV-cache archetype of the hierarchy as it runs now (see cache.archetype)."""
-        remote = self.chain.remote if self.chain is not None else None
         view = describe(self.storage.device.type, self.config.enable_prefix_caching, tiers,
-                        remote_cluster=bool(remote is not None and remote.cluster),
                         capacity_bytes={"device": self.storage.nbytes, **{
-                            name: tiers[name]["capacity_blocks"] * self.storage.block_nbytes
-                            for name in ("host", "disk") if "capacity_blocks" in tiers.get(name, {})}})
+                            name: entry["capacity_blocks"] * self.storage.block_nbytes
+                            for name, entry in tiers.items() if name != "chain" and entry.get("capacity_blocks")}})
         return classify(view).to_dict()
 
     def gaps(self) -> dict[str, Any]:
@@ -642,7 +590,7 @@ class EngineCore:
         chain = self.chain.telemetry() if self.chain is not None else {}
         tel = self.telemetry
         pc = self.manager.stats
-        remote = self.chain.remote if self.chain is not None else None
+        remote = self.chain.shared if self.chain is not None else None
         meta_bytes = sum(chain.get("metadata_bytes", {}).values())
         data_bytes = sum(chain.get("data_bytes", {}).values())
         return {
@@ -706,9 +654,20 @@ class EngineCore:
             "promoted_blocks": pc.promoted_blocks,
             "prefill_tokens_per_s": self._prefill_tps,
             "tiers": tiers,
+            "tier_kinds": list(factory.KINDS),  # what POST /admin/tiers can attach
             "archetype": self.archetype(tiers),
             "timing": self.telemetry.snapshot(),
             "gaps": self.gaps(),
             "engine_pid": os.getpid(),
             "engine_threads": {"owner": self.owner_thread, "step": self.step_thread},
         }
+
+
+def _summary(tier: Any) -> str:
+    """A tier in a log line: where it keeps its blocks and how many fit (never a password)."""
+    detail = tier.describe()
+    where = detail.get("path") or detail.get("url")
+    size = f"{tier.capacity_blocks} blocks ({tier.capacity_blocks * tier.block_nbytes >> 20} MiB)" \
+        if tier.capacity_blocks and hasattr(tier, "block_nbytes") else \
+        (f"{tier.capacity_blocks} blocks" if tier.capacity_blocks else "")
+    return " ".join(part for part in (str(where) if where else "", size) if part)

@@ -13,11 +13,25 @@
   const WINDOW_MS = 30000;   // hit rates and TTFT quantiles: over the last 30 s of samples
   const SPAN_MS = 300000;    // the charts show the last 5 minutes
   const KEY_STORAGE = "kvgate.adminKey";
-  const TIERS = ["device", "host", "disk", "remote"];
-  const COLORS = {
-    all: "#64748b", device: "#2563eb", host: "#16a34a", disk: "#d97706", remote: "#9333ea",
-    p50: "#0891b2", p99: "#dc2626",
-  };
+  // Tiers are whatever the engine reports (m.tiers: the attached ones, top down, each with its
+  // declared traits; m.tier_kinds: every kind it can attach), never a list fixed here.
+  const PALETTE = ["#16a34a", "#d97706", "#9333ea", "#0d9488", "#be185d", "#4d7c0f", "#7c3aed"];
+  const COLORS = {all: "#64748b", device: "#2563eb", p50: "#0891b2", p99: "#dc2626"};
+  function colorOf(name) {
+    if (!COLORS[name]) COLORS[name] = PALETTE[(Object.keys(COLORS).length - 4) % PALETTE.length];
+    return COLORS[name];
+  }
+  // The attached tiers of a snapshot, top down.
+  function attachedTiers(m) {
+    const tiers = obj(m.tiers);
+    return Object.keys(tiers).filter((name) => obj(tiers[name]).traits !== undefined);
+  }
+  // The device pool, the attached tiers, then the kinds that could be attached and are not.
+  function tierNames(m) {
+    const attached = attachedTiers(m);
+    const kinds = Array.isArray(m.tier_kinds) ? m.tier_kinds : [];
+    return ["device", ...attached, ...kinds.filter((k) => !attached.includes(k))];
+  }
   const SHARE_COLORS = {
     queue: "#94a3b8", metadata: "#9333ea", tier_load: "#d97706", prefill: "#2563eb", first_decode: "#16a34a",
   };
@@ -258,9 +272,9 @@
   // ---- turning snapshots into time series -----------------------------------------------------
   // Cumulative token counters of one snapshot. Every prompt token the prefix cache found came
   // from exactly one tier: the device pool, or a lower tier it was loaded from. Blocks loaded
-  // from disk or remote pass through host (prefetch), so host's own part is its promotions less
-  // those. (A tier's hits/misses alone say little: the chain asks disk and remote only for
-  // blocks their index or an existence check says they hold.)
+  // from a store pass through the memory tier (prefetch), so the memory tier's own part is its
+  // promotions less those. (A tier's hits/misses alone say little: the chain asks a store only
+  // for blocks its index or an existence check says it holds.)
   function countersOf(m) {
     const num = (x) => (isNum(x) ? x : 0);
     const pc = obj(m.prefix_cache);
@@ -271,25 +285,35 @@
       hit: num(pc.hit_tokens),
       promoted: num(m.promoted_blocks) * bs,
     };
-    for (const name of ["host", "disk", "remote"]) {
-      if (tiers[name] !== undefined) counters[name] = num(obj(tiers[name]).hits) * bs;
+    const roles = {};
+    for (const name of attachedTiers(m)) {
+      counters[name] = num(obj(tiers[name]).hits) * bs;
+      roles[name] = obj(obj(tiers[name]).traits).role;
     }
-    return counters;
+    return {counters, roles};
   }
 
   // The share of the prompt tokens looked up between two snapshots that each tier served.
-  function tierShares(c, b) {
+  function tierShares(c, b, roles) {
     const d = (key) => (c[key] === undefined ? null : Math.max(0, c[key] - (b[key] || 0)));
     const query = d("query");
-    const out = {all: null, device: null, host: null, disk: null, remote: null};
+    const out = {all: null, device: null};
     if (!(query > 0)) return out;
     const share = (x) => Math.min(1, Math.max(0, x / query));
     const promoted = d("promoted");
     out.all = share(d("hit"));
     out.device = share(d("hit") - promoted);
-    if (c.disk !== undefined) out.disk = share(d("disk"));
-    if (c.remote !== undefined) out.remote = share(d("remote"));
-    if (c.host !== undefined) out.host = share(promoted - (d("disk") || 0) - (d("remote") || 0));
+    const names = Object.keys(roles);
+    let loaded = 0;  // tokens the stores delivered (through the memory tier)
+    for (const name of names) {
+      if (roles[name] !== "memory") {
+        out[name] = share(d(name));
+        loaded += d(name) || 0;
+      }
+    }
+    for (const name of names) {
+      if (roles[name] === "memory") out[name] = share(promoted - loaded);
+    }
     return out;
   }
 
@@ -307,12 +331,14 @@
   function ingest(m, now) {
     state.latest = m;
     const hist = obj(obj(m.requests).ttft_s);
+    const counted = countersOf(m);
     const sample = {
       t: now,
-      counters: countersOf(m),
+      counters: counted.counters,
+      roles: counted.roles,
       ttftHist: Array.isArray(hist.buckets) && Array.isArray(hist.counts)
         ? {buckets: hist.buckets.slice(), counts: hist.counts.slice()} : null,
-      hit: {all: null, device: null, host: null, disk: null, remote: null},
+      hit: {all: null, device: null},
       ttft: {p50: null, p99: null},
     };
     const history = state.history;
@@ -323,7 +349,7 @@
       if (now - p.t <= WINDOW_MS + POLL_MS / 2) { base = p; break; }
     }
     if (base) {
-      sample.hit = tierShares(sample.counters, base.counters);
+      sample.hit = tierShares(sample.counters, base.counters, sample.roles);
       const h = sample.ttftHist;
       const bh = base.ttftHist;
       if (h && bh && h.counts.length === bh.counts.length) {
@@ -405,13 +431,14 @@
     const view = obj(obj(m.archetype).tiers);
     const tiers = obj(m.tiers);
     const last = state.history.length ? state.history[state.history.length - 1] : null;
-    TIERS.forEach((name, i) => {
+    tierNames(m).forEach((name, i) => {
       if (i) box.appendChild(el("div", "arrow", "→"));
       const v = obj(view[name]);
       const t = obj(tiers[name]);
       const present = name === "device" ? m.num_blocks !== undefined : v.enabled === true || tiers[name] !== undefined;
-      const card = el("div", "tier " + name);
+      const card = el("div", "tier");
       card.dataset.tier = name;
+      card.style.setProperty("--tier-color", colorOf(name));
       const head = el("div", "tier-head");
       head.appendChild(el("span", "tier-name", name));
       let health;
@@ -555,14 +582,13 @@
   }
 
   function renderHitChart() {
-    const tiers = obj((state.latest || {}).tiers);
-    const shown = TIERS.filter((name) => name === "device" || tiers[name] !== undefined);
+    const shown = ["device", ...attachedTiers(state.latest || {})];
     const series = ["all", ...shown].map((name) => ({
-      name, color: COLORS[name], dashed: name === "all", points: state.history.map((p) => [p.t, p.hit[name]]),
+      name, color: colorOf(name), dashed: name === "all", points: state.history.map((p) => [p.t, p.hit[name]]),
     }));
     drawChart($("hit-chart"), series, 1, (v) => Math.round(v * 100) + "%",
       "no prompt lookups in the last 5 min: send some requests");
-    legend($("hit-legend"), ["all", ...shown].map((name) => [name === "all" ? "all tiers" : name, COLORS[name],
+    legend($("hit-legend"), ["all", ...shown].map((name) => [name === "all" ? "all tiers" : name, colorOf(name),
       fmtPct(latestValue((p) => p.hit[name])), name]));
   }
 
@@ -678,7 +704,7 @@
     ["block_life", "Reuse & lifetime",
       "Accesses and time between two uses of a block per tier: a tier holding more blocks than that keeps it.",
       (g) => {
-        const parts = TIERS.filter((name) => obj(obj(g[name]).reuse_distance).count > 0).map((name) => {
+        const parts = Object.keys(g).filter((name) => obj(obj(g[name]).reuse_distance).count > 0).map((name) => {
           const life = obj(g[name]);
           return name + " " + fmtNum(life.reuse_distance.p50, 0) + " / " + fmtSeconds(obj(life.reuse_interval_s).p50);
         });

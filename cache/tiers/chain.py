@@ -1,19 +1,21 @@
-"""TierChain: device → host → disk, beside the step loop, with disk I/O on a thread of its own.
+"""TierChain: the tiers below the device pool, beside the step loop, with their I/O on a thread
+of its own. Tiers take part by the role they declare (cache.tiers.base): one ``memory`` tier
+(host slots), any number of ``store`` tiers (local, indexed), one ``shared`` tier.
 
-    step loop thread                                   I/O thread (asyncio + aiofiles)
-    device eviction ─ demote ─▶ host ─ evicted ─▶ write queue ─▶ disk.write (tmp, fsync, rename)
-    admission ─ promote ◀─ host (memcpy into a device block)
-    add_request ─ prefetch(disk blocks, host slots) ─▶ disk.read_many ─▶ completions
-    poll() ◀─ slots indexed in host, requests released ◀───────────────┘
+    step loop thread                                     I/O thread (asyncio)
+    device eviction ─ demote ─▶ memory ─ evicted ─▶ writes ─▶ every store (tmp, fsync, rename)
+    admission ─ promote ◀─ memory (copy, or a row traded on CPU)
+    add_request ─ prefetch(store blocks, memory slots) ─▶ store.read_many ─▶ completions
+                            (the rest: exists + get) ─▶ shared.get ───────▶ completions
+    poll() ◀─ slots indexed in memory, requests released ◀─────────────────────┘
 
-The step loop never waits on disk: a request whose prefix continues on disk is held back while
-its blocks load (other requests keep stepping) and enters the scheduler once they are in host
-memory: the loop reserves a host slot per block and the I/O thread reads the file straight into
-it, in batches of blocks per worker-thread call, several batches at once (no copy between the
-file and host memory). A block wanted by several requests is read once. Writes are bounded
-(``max_pending_writes``): past that, demotions to disk are dropped and counted — back-pressure
-instead of unbounded memory. Whether a disk hit is worth loading is decided by measurement:
-the disk's running load rate against the engine's prefill rate.
+The step loop never waits on I/O: a request whose prefix continues in a store is held back
+while its blocks load (other requests keep stepping) and enters the scheduler once they are in
+memory: the loop reserves a slot per block and the I/O thread reads straight into it, in
+batches, several batches at once. A block wanted by several requests is read once, from the
+first store that holds it. Writes are bounded (``max_pending_writes``): past that they are
+dropped and counted — back-pressure instead of unbounded memory. Whether a hit is worth loading
+is decided by measurement: the tier's running load rate against the engine's prefill rate.
 """
 
 from __future__ import annotations
@@ -36,9 +38,7 @@ import torch
 
 from cache.quota import UNKNOWN
 from cache.telemetry import OpTimes
-from cache.tiers.disk import DiskTier
-from cache.tiers.host import HostTier
-from cache.tiers.remote import RemoteTier
+from cache.tiers.base import SharedTier, StoreTier, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Reservation:
     releases it, so no other job's result, failure or copy ever touches a slot still being
     written on the I/O thread."""
 
-    host: HostTier
+    host: Any  # the memory tier
     slot: int
     view: memoryview
 
@@ -175,31 +175,29 @@ class IOLoop:
 
 
 class TierChain:
-    """Host and disk tiers below one device pool (either may be absent)."""
+    """The tiers below one device pool, in order, each in the part of the data path its
+    `TierTraits.role` names (cache.tiers.base): at most one tier per role, any of them absent."""
 
-    def __init__(self, host: HostTier | None, disk: DiskTier | None, max_pending_writes: int = 256,
-                 remote: RemoteTier | None = None, remote_write: str = "through",
+    def __init__(self, tiers: Iterable[Tier | None] = (), *, max_pending_writes: int = 256,
                  read_parallel: int = min(4, os.cpu_count() or 1), persist: str = "on_evict") -> None:
         if persist not in PERSIST_MODES:
             raise ValueError(f"persist must be one of {', '.join(PERSIST_MODES)}, got {persist!r}")
-        self.host = host
-        self.disk = disk
-        self.remote = remote
-        self.remote_write = remote_write
+        self.memory: Any = None  # the `memory` tier (host slots), or None
+        self.stores: list[Any] = []  # the `store` tiers (local, indexed stores), top down
+        self.shared: Any = None  # the `shared` tier (a store other replicas reach), or None
         self.max_pending_writes = max_pending_writes
         self.persist = persist
         self.stats = ChainStats()
-        # Disk writes in flight, key -> the payload being written: the block stays readable from
-        # here until its record is complete and indexed (the I/O thread indexes, then forgets it)
+        # Store writes in flight, key -> the payload being written: the block stays readable from
+        # here until every store it goes to has indexed it (the I/O thread indexes, then forgets
+        # it); `_writing_to` names those stores
         self._writing: dict[bytes, bytes | memoryview] = {}
+        self._writing_to: dict[bytes, set[str]] = {}
         # blocks that may not be on disk yet, oldest first (persist = "behind" writes them): host
         # blocks (None: copied from their slot) and computed device blocks ((copy, owner))
         self._unpersisted: OrderedDict[bytes, tuple[Callable[[], bytes | None], str] | None] = OrderedDict()
         self._retry: queue.SimpleQueue[tuple[bytes, Any]] = queue.SimpleQueue()  # torn device copies
-        self._attach_host(host)
-        self.io = IOLoop() if disk is not None or remote is not None else None
-        if remote is not None and self.io is not None:
-            remote.write_executor = self.io.sender
+        self.io: IOLoop | None = None
         self._pending_writes = 0
         self._write_lock = threading.Lock()
         # ("block", key, (payload | None, its Reservation | None)) and ("done", token, JobTimes),
@@ -217,17 +215,38 @@ class TierChain:
         self._job_keys: dict[Hashable, list[bytes]] = {}
         self._remote_sent: OrderedDict[bytes, None] = OrderedDict()  # recently written to remote
         # issue-to-done vs transfer time per kind of operation (gap metric 3)
-        self.ops = {kind: OpTimes() for kind in ("prefetch", "disk_read", "disk_write", "remote_put")}
+        self.ops = {"prefetch": OpTimes()}  # and per tier: <store>_read, <store>_write, <shared>_put
         self.finished_jobs: dict[Hashable, JobTimes] = {}  # what poll() released, for the engine to take
+        for tier in tiers:
+            if tier is not None:
+                self.attach(tier)
 
     @property
     def tiers(self) -> list[Any]:
-        return [t for t in (self.host, self.disk, self.remote) if t is not None]
+        """The attached tiers, top down."""
+        return [t for t in (self.memory, *self.stores, self.shared) if t is not None]
+
+    @property
+    def store(self) -> Any:
+        """The first store tier (where a shutdown's flush is counted), or None."""
+        return self.stores[0] if self.stores else None
+
+    def _stored(self, key: bytes) -> bool:
+        """Whether a store tier holds ``key`` (an exact index lookup, no I/O)."""
+        return any(key in store for store in self.stores)
+
+    def _source(self, key: bytes) -> Any:
+        """The first store tier holding ``key``, or None."""
+        return next((store for store in self.stores if key in store), None)
+
+    def tier(self, name: str) -> Any:
+        """The attached tier called ``name``, or None."""
+        return next((t for t in self.tiers if t.name == name), None)
 
     @property
     def writes_through(self) -> bool:
-        """Whether freshly computed blocks go to the remote tier at once (vs when leaving host)."""
-        return self.remote is not None and self.remote_write == "through"
+        """Whether freshly computed blocks go to the shared tier at once (vs when leaving host)."""
+        return self.shared is not None and self.shared.write_mode == "through"
 
     # ---- demotion (step loop) -----------------------------------------------------------------
     def demote(self, key: bytes, src: torch.Tensor, owner: str = UNKNOWN, row: int | None = None) -> int | None:
@@ -237,7 +256,7 @@ class TierChain:
         row instead of a copy, and the return value is the row the pool block uses from now on
         (None: the block keeps its own row)."""
         self.stats.demotions += 1
-        host = self.host
+        host = self.memory
         if host is not None and host.shared and row is not None:
             traded = host.adopt(key, row, owner)
             if traded is not None:
@@ -251,27 +270,36 @@ class TierChain:
                 self._write(victim, payload, victim_owner)
             if key in host:
                 self._track(key)
-        elif self.disk is not None or self.remote is not None:
+        elif self.stores or self.shared is not None:
             self._write(key, src.cpu().numpy().tobytes(), owner)
         return None
 
     def _write(self, key: bytes, payload: bytes, owner: str = UNKNOWN) -> None:
-        """A block leaves host memory: to disk, and to the remote tier when it writes back.
+        """A block leaves host memory: to every store tier, and to the shared tier when it
+        writes back.
 
-        Until the disk has indexed it, the block stays readable from ``_writing`` (see `recall`);
-        a block the disk already holds is only marked as used there."""
+        Until the stores have indexed it, the block stays readable from ``_writing`` (see
+        `recall`); a store that already holds it only marks it as used."""
         self._unpersisted.pop(key, None)
-        if self.remote is not None and self.remote_write == "back":
+        if self.shared is not None and self.shared.write_mode == "back":
             self.write_remote([(key, payload)], owner)
-        disk = self.disk
-        if disk is None or self.io is None or key in self._writing or not disk.ledger.admits(owner):
-            return
-        if disk.touch(key) or not self._reserve_write(1):
-            return
-        self._writing[key] = payload
-        coro = self._timed("disk_write", disk.write(key, payload, owner, executor=self.io.writer),
+        for store in self.stores:
+            self._write_to(store, key, payload, owner)
+
+    def _write_to(self, store: StoreTier, key: bytes, payload: bytes | memoryview, owner: str) -> bool:
+        """Start writing ``key`` to ``store`` unless it holds the block, is being sent it, or its
+        quota or the write bound refuses; True if the write started."""
+        if self.io is None or store.name in self._writing_to.get(key, ()) or not store.ledger.admits(owner):
+            return False
+        if store.touch(key) or not self._reserve_write(1):
+            return False
+        with self._write_lock:
+            self._writing[key] = payload
+            self._writing_to.setdefault(key, set()).add(store.name)
+        coro = self._timed(f"{store.name}_write", store.write(key, payload, owner, executor=self.io.writer),
                            time.perf_counter())
-        self.io.submit(coro).add_done_callback(functools.partial(self._write_done, key))
+        self.io.submit(coro).add_done_callback(functools.partial(self._write_done, key, store.name))
+        return True
 
     async def _timed(self, kind: str, coro: Any, issued: float) -> Any:
         """Run a tier call on the I/O loop, timed from ``issued`` (when the step loop asked) and alone."""
@@ -291,22 +319,28 @@ class TierChain:
             self._pending_writes += 1
             return True
 
-    def _write_done(self, key: bytes | None, future: Future[Any]) -> None:
-        """A write ended (on the I/O thread): the disk indexed the block first, so dropping its
-        buffer now leaves no moment in which neither holds it."""
+    def _write_done(self, key: bytes | None, store: str | None, future: Future[Any]) -> None:
+        """A write ended (on the I/O thread): the store indexed the block first, so dropping its
+        buffer once the last store has leaves no moment in which none holds it."""
         if key is not None:
-            self._writing.pop(key, None)
+            with self._write_lock:
+                targets = self._writing_to.get(key)
+                if targets is not None:
+                    targets.discard(store or "")
+                    if not targets:
+                        del self._writing_to[key]
+                        self._writing.pop(key, None)
         with self._write_lock:
             self._pending_writes -= 1
         if not future.cancelled() and future.exception() is not None:
-            logger.error("disk cache write failed: %s", future.exception())
+            logger.error("cache write failed: %s", future.exception())
 
     def write_remote(self, items: list[tuple[bytes, bytes]], owner: str = UNKNOWN) -> None:
         """Send ``owner``'s blocks to the remote tier in one pipeline (dropped and counted past
         the bound)."""
-        if self.remote is None or self.io is None or not items:
+        if self.shared is None or self.io is None or not items:
             return
-        unstored = self.remote.unstored
+        unstored = self.shared.unstored
         while unstored:  # a write failed or a quota deleted them: send them again when asked
             self._remote_sent.pop(unstored.popleft(), None)
         fresh = [(k, p) for k, p in items if k not in self._remote_sent]
@@ -316,8 +350,8 @@ class TierChain:
             self._remote_sent[key] = None
             if len(self._remote_sent) > 65536:
                 self._remote_sent.popitem(last=False)
-        coro = self._timed("remote_put", self.remote.put(fresh, owner), time.perf_counter())
-        self.io.submit(coro).add_done_callback(functools.partial(self._write_done, None))
+        coro = self._timed(f"{self.shared.name}_put", self.shared.put(fresh, owner), time.perf_counter())
+        self.io.submit(coro).add_done_callback(functools.partial(self._write_done, None, None))
 
     @property
     def pending_writes(self) -> int:
@@ -331,7 +365,7 @@ class TierChain:
             _copy_into(dst, staged)  # (a Redis reply is writable: no extra copy)
             self.stats.promotions += 1
             return True
-        if self.host is not None and self.host.load_into(key, dst):
+        if self.memory is not None and self.memory.load_into(key, dst):
             self.stats.promotions += 1
             return True
         writing = self._writing.get(key)
@@ -346,7 +380,7 @@ class TierChain:
         """Promote a host block without a copy (a host tier sharing the pool's slab): returns the
         row that holds it, which the pool block uses from now on (its old ``row`` goes to the
         host); None if the host has no such block (then `load` copies a staged one, if any)."""
-        host = self.host
+        host = self.memory
         if host is None or not host.shared or key not in host:
             return None
         held = host.surrender(key, row)
@@ -355,7 +389,7 @@ class TierChain:
 
     def on_lower_tier(self, key: bytes) -> bool:
         """Whether the block can be promoted without a read: in host, staged, or being written."""
-        return (self.host is not None and key in self.host) or key in self._staged or key in self._writing
+        return (self.memory is not None and key in self.memory) or key in self._staged or key in self._writing
 
     def recall(self, keys: Iterable[bytes], owner: str = UNKNOWN) -> int:
         """Bring the leading ``keys`` whose disk writes are still in flight back into host memory
@@ -366,40 +400,35 @@ class TierChain:
         for key in keys:
             payload = self._writing.get(key)  # (before the disk: the I/O thread indexes, then forgets)
             if payload is None:
-                if self.on_lower_tier(key) or key in self._inflight or (self.disk is not None and key in self.disk):
+                if self.on_lower_tier(key) or key in self._inflight or self._stored(key):
                     continue
                 break
-            if self.host is None:
+            if self.memory is None:
                 self._staged[key] = payload
             else:
-                for victim, evicted, victim_owner in self.host.put_bytes(key, payload, owner):
+                for victim, evicted, victim_owner in self.memory.put_bytes(key, payload, owner):
                     self._write(victim, evicted, victim_owner)
             recalled += 1
         self.stats.recalled_blocks += recalled
         return recalled
 
     # ---- persistence (step loop decides, writer threads copy and write) -----------------------
-    def _attach_host(self, host: HostTier | None) -> None:
-        if host is not None:
-            host.keep = self._keep_in_host
-
     def _track(self, key: bytes) -> None:
         """A block entered host memory: with ``persist = "behind"`` it waits to be written."""
-        if self.persist == "behind" and self.disk is not None:
+        if self.persist == "behind" and self.stores:
             self._unpersisted[key] = None
 
     def _keep_in_host(self, key: bytes) -> bool:
         """Whether host eviction should pass over ``key``: writes are backed up and the block is
-        neither on disk nor on its way there, so evicting it would drop it."""
-        disk = self.disk
-        return (disk is not None and self._pending_writes >= self.max_pending_writes
-                and key not in self._writing and key not in disk)
+        in no store nor on its way there, so evicting it would drop it."""
+        return (bool(self.stores) and self._pending_writes >= self.max_pending_writes
+                and key not in self._writing and not self._stored(key))
 
     def note_computed(self, key: bytes, copy: Callable[[], bytes | None], owner: str = UNKNOWN) -> None:
         """``persist = "behind"``: a device block was just computed; ``copy`` (called on a writer
         thread) returns its bytes, None once the block is gone, or `RETRY` when the copy may be
         torn and should be made again later."""
-        if self.persist == "behind" and self.disk is not None and key not in self._unpersisted:
+        if self.persist == "behind" and self.stores and key not in self._unpersisted:
             self._unpersisted[key] = (copy, owner)
 
     def persist_behind(self) -> int:
@@ -407,8 +436,8 @@ class TierChain:
         yet on disk, while fewer than half the write bound are in flight (demotions keep the
         other half). Called by the step loop between steps; the bytes are copied by a writer
         thread. Returns how many writes started."""
-        disk, io, host = self.disk, self.io, self.host
-        if self.persist != "behind" or disk is None or io is None:
+        io, host = self.io, self.memory
+        if self.persist != "behind" or not self.stores or io is None:
             return 0
         while True:  # copies found torn go to the back of the line
             try:
@@ -419,7 +448,9 @@ class TierChain:
         started = 0
         while self._unpersisted and self._pending_writes < max(1, self.max_pending_writes // 2):
             key, source = self._unpersisted.popitem(last=False)
-            if key in self._writing or key in disk:
+            writing = self._writing_to.get(key, ())
+            targets = [store for store in self.stores if key not in store and store.name not in writing]
+            if not targets:
                 continue
             slot = host.slot_of(key) if host is not None else None
             if slot is not None:
@@ -430,18 +461,20 @@ class TierChain:
                 copy, owner = source
             else:  # left host since (its eviction wrote it)
                 continue
-            if not disk.ledger.admits(owner) or not self._reserve_write(1):
+            targets = [store for store in targets if store.ledger.admits(owner)]
+            if not targets or not self._reserve_write(1):
                 continue
-            coro = self._timed("disk_write", self._persist(disk, io, key, copy, owner, source), time.perf_counter())
-            io.submit(coro).add_done_callback(functools.partial(self._write_done, None))
+            coro = self._timed(f"{targets[0].name}_write", self._persist(targets, io, key, copy, owner, source),
+                               time.perf_counter())
+            io.submit(coro).add_done_callback(functools.partial(self._write_done, None, None))
             started += 1
         return started
 
-    async def _persist(self, disk: DiskTier, io: IOLoop, key: bytes, copy: Callable[[], bytes | None], owner: str,
-                       source: Any) -> bool:
-        """Copy a block on a writer thread and write it. A copy that may be torn (the step loop
-        moved the block meanwhile) is never written: a host block that left was written by its
-        eviction; a device block is tried again later."""
+    async def _persist(self, stores: list[StoreTier], io: IOLoop, key: bytes, copy: Callable[[], bytes | None],
+                       owner: str, source: Any) -> bool:
+        """Copy a block on a writer thread and write it to ``stores``. A copy that may be torn
+        (the step loop moved the block meanwhile) is never written: a host block that left was
+        written by its eviction; a device block is tried again later."""
         payload = await asyncio.get_running_loop().run_in_executor(io.writer, copy)
         if payload is RETRY:
             if source is not None:
@@ -449,25 +482,30 @@ class TierChain:
             return False
         if payload is None:
             return False
-        written = await disk.write(key, payload, owner, executor=io.writer)
+        written = await self._write_all(stores, key, payload, owner, io)
         if written:
             self.stats.persisted_behind += 1
         return written
 
     # ---- prefetch from disk and remote (step loop submits, I/O loop reads) --------------------
     def plan_prefetch(self, keys: Iterable[bytes], block_tokens: int, prefill_tokens_per_s: float | None) -> list[bytes]:
-        """The disk-resident blocks that continue a prefix past the host tier, if loading them
+        """The store-resident blocks that continue a prefix past the host tier, if loading them
         is predicted faster than recomputing their tokens; else []."""
-        if self.disk is None:
+        if not self.stores:
             return []
         need: list[bytes] = []
+        per_store: dict[str, int] = {}
         for key in keys:
             if self.on_lower_tier(key) or key in self._inflight:
                 continue
-            if key not in self.disk:
+            source = self._source(key)
+            if source is None:
                 break
             need.append(key)
-        if need and not self._worth_loading(self.disk, len(need), block_tokens, prefill_tokens_per_s):
+            per_store[source.name] = per_store.get(source.name, 0) + 1
+        # the stores read at once: loading takes as long as the slowest of them
+        if need and not all(self._worth_loading(self.tier(name), n, block_tokens, prefill_tokens_per_s)
+                            for name, n in per_store.items()):
             self.stats.recompute_chosen += 1
             return []
         return need
@@ -475,7 +513,7 @@ class TierChain:
     def local_end(self, keys: list[bytes]) -> int:
         """How many leading ``keys`` the host, a staged load, a read in flight or the disk can supply."""
         for i, key in enumerate(keys):
-            if not (self.on_lower_tier(key) or key in self._inflight or (self.disk is not None and key in self.disk)):
+            if not (self.on_lower_tier(key) or key in self._inflight or self._stored(key)):
                 return i
         return len(keys)
 
@@ -489,23 +527,23 @@ class TierChain:
     def prefetch(self, token: Hashable, keys: list[bytes], also_wait_for: Iterable[bytes] = (),
                  remote_keys: Iterable[bytes] = (), block_tokens: int = 16,
                  prefill_tokens_per_s: float | None = None, owner: str = UNKNOWN) -> bool:
-        """Start loading ``keys`` from disk (and look up ``remote_keys`` in the remote tier);
+        """Start loading ``keys`` from the store tiers (and look up ``remote_keys`` in the shared tier);
         ``poll`` releases ``token`` once everything it waits for has arrived. Blocks it brings
         into host memory are held there for ``owner``.
 
         Returns False when there is nothing to wait for.
         """
-        keys = [k for k in dict.fromkeys(keys) if k not in self._inflight]
+        keys = [k for k in dict.fromkeys(keys) if k not in self._inflight] if self.stores else []
         also_wait_for = list(also_wait_for)
         waits = [k for k in also_wait_for if k in self._inflight and k not in keys]
         # distinct, like ``keys``: each gets at most one reserved slot, and `_job` tells filled ones by key
-        remote = list(dict.fromkeys(remote_keys)) if self.remote is not None else []
+        remote = list(dict.fromkeys(remote_keys)) if self.shared is not None else []
         if not keys and not waits and not remote:
             return False
         assert self.io is not None
-        if self.host is not None:  # the request's blocks already in host must not make room for the rest
+        if self.memory is not None:  # the request's blocks already in host must not make room for the rest
             for key in also_wait_for:
-                self.host.touch(key)
+                self.memory.touch(key)
         slots = [self._reserve_slot(owner) for _ in keys]
         # remote blocks may not exist: they get only slots that are free now (a miss costs no host block)
         remote_slots = [self._reserve_slot(owner, evict=False) for _ in remote]
@@ -515,42 +553,46 @@ class TierChain:
         self._job_keys[token] = [*keys, *remote]
         self._jobs.add(token)
         self._job_started[token] = time.monotonic()
-        self.io.submit(self._job(token, keys, slots, waits, remote, remote_slots, block_tokens, prefill_tokens_per_s,
-                                 self.disk, self.remote, time.perf_counter()))
+        # each block is read from the first store that holds it (one gone meanwhile: a miss there)
+        groups: dict[str, tuple[Any, list[bytes], list[Reservation | None]]] = {}
+        for key, slot in zip(keys, slots, strict=True):
+            store = self._source(key) or self.stores[0]
+            group = groups.setdefault(store.name, (store, [], []))
+            group[1].append(key)
+            group[2].append(slot)
+        self.io.submit(self._job(token, list(groups.values()), waits, remote, remote_slots, block_tokens,
+                                 prefill_tokens_per_s, self.shared, time.perf_counter()))
         self.stats.prefetches += 1
         return True
 
     def _reserve_slot(self, owner: str, evict: bool = True) -> Reservation | None:
         """A host slot for one read to land in (no copy afterwards), or None: the block then
         arrives in a buffer of its own and is copied in by `poll`."""
-        if self.host is None:
+        if self.memory is None:
             return None
-        reserved = self.host.reserve(owner, evict)
+        reserved = self.memory.reserve(owner, evict)
         if reserved is None:
             return None
         slot, view, evicted = reserved
         for victim, payload, victim_owner in evicted:
             self._write(victim, payload, victim_owner)
-        return Reservation(self.host, slot, view)
+        return Reservation(self.memory, slot, view)
 
-    async def _job(self, token: Hashable, keys: list[bytes], slots: list[Reservation | None],
+    async def _job(self, token: Hashable, groups: list[tuple[Any, list[bytes], list[Reservation | None]]],
                    waits: list[bytes], remote_keys: list[bytes], remote_slots: list[Reservation | None],
-                   block_tokens: int, prefill_tokens_per_s: float | None, disk: DiskTier | None,
-                   remote: RemoteTier | None, issued: float) -> None:
+                   block_tokens: int, prefill_tokens_per_s: float | None, remote: SharedTier | None,
+                   issued: float) -> None:
         # the tiers are captured when the job is submitted: a detach meanwhile cannot pull them away
         times = JobTimes()
         delivered: set[bytes] = set()
         try:
             t0 = time.perf_counter()
-            own = self._disk_reads(keys, slots, disk, issued) if disk is not None else []
+            # every read's future exists before this job first waits: a later job waits on them
+            own = [(store, self._disk_reads(keys, slots, store, issued)) for store, keys, slots in groups]
             shared = [self._reads[k] for k in waits if k in self._reads]
-            done = await asyncio.gather(*own, *shared, return_exceptions=True)
-            nbytes = sum(n for n in done[: len(own)] if isinstance(n, int) and n > 0)
-            times.blocks = sum(1 for n in done[: len(own)] if isinstance(n, int) and n > 0)
-            if disk is not None and self.STALLED in done[: len(own)]:  # as if all it asked for took that long
-                nbytes = len(own) * disk.fmt.record_size
-            if disk is not None and nbytes:  # the rate of the batch as issued: reads overlap
-                disk.rate.observe(nbytes, time.perf_counter() - t0, ops=len(own))
+            done = await asyncio.gather(*(self._settle_reads(store, reads, t0) for store, reads in own), *shared,
+                                        return_exceptions=True)
+            times.blocks = sum(n for n in done[: len(own)] if isinstance(n, int))
             if remote_keys and remote is not None:
                 await self._remote_fetch(remote, remote_keys, remote_slots, block_tokens, prefill_tokens_per_s,
                                          times, delivered)
@@ -563,7 +605,17 @@ class TierChain:
                     self._events.put(("block", key, (None, reserved)))
             self._events.put(("done", token, times))
 
-    def _disk_reads(self, keys: list[bytes], slots: list[Reservation | None], disk: DiskTier,
+    async def _settle_reads(self, store: StoreTier, reads: list[asyncio.Future[int]], t0: float) -> int:
+        """Wait for one store's reads of a job and feed its load-rate estimate; the blocks read."""
+        done = await asyncio.gather(*reads, return_exceptions=True)
+        nbytes = sum(n for n in done if isinstance(n, int) and n > 0)
+        if self.STALLED in done:  # as if all it asked for took that long
+            nbytes = len(reads) * store.fmt.record_size
+        if nbytes:  # the rate of the batch as issued: reads overlap
+            store.rate.observe(nbytes, time.perf_counter() - t0, ops=len(reads))
+        return sum(1 for n in done if isinstance(n, int) and n > 0)
+
+    def _disk_reads(self, keys: list[bytes], slots: list[Reservation | None], disk: StoreTier,
                     issued: float) -> list[asyncio.Future[int]]:
         """Read ``keys`` (distinct, none in flight: `prefetch` sees to that) into ``slots``, in
         batches, at most `read_parallel` batches at once; other jobs may wait on the same futures
@@ -580,7 +632,7 @@ class TierChain:
                 asyncio.ensure_future(self._read_batch(keys[batch], slots[batch], disk, issued))
         return futures
 
-    async def _read_batch(self, keys: list[bytes], slots: list[Reservation | None], disk: DiskTier,
+    async def _read_batch(self, keys: list[bytes], slots: list[Reservation | None], disk: StoreTier,
                           issued: float) -> None:
         """Read a batch (its blocks go to the event queue) and settle each key's future with the
         bytes read, or `STALLED` once the batch ran past ``disk.load_timeout_s``, counted from
@@ -616,7 +668,7 @@ class TierChain:
                 if future is not None and not future.done():
                     future.set_result(n)
 
-    async def _remote_fetch(self, remote: RemoteTier, keys: list[bytes], slots: list[Reservation | None],
+    async def _remote_fetch(self, remote: SharedTier, keys: list[bytes], slots: list[Reservation | None],
                             block_tokens: int, prefill_tokens_per_s: float | None, times: JobTimes,
                             delivered: set[bytes]) -> None:
         """Check which leading ``keys`` the store holds and GET them (into ``slots``, the host
@@ -696,12 +748,12 @@ class TierChain:
                 host = reserved.host
                 for victim, evicted, victim_owner in host.commit(key, reserved.slot, self._owners.get(key, UNKNOWN),
                                                                  payload):
-                    if host is self.host:  # (a host detached meanwhile takes its blocks with it)
+                    if host is self.memory:  # (a host detached meanwhile takes its blocks with it)
                         self._write(victim, evicted, victim_owner)
-                if host is self.host:
+                if host is self.memory:
                     self._track(key)  # (from the remote tier; one read from disk is skipped later)
-            elif self.host is not None:
-                for victim, evicted, victim_owner in self.host.put_bytes(key, payload, self._owners.get(key, UNKNOWN)):
+            elif self.memory is not None:
+                for victim, evicted, victim_owner in self.memory.put_bytes(key, payload, self._owners.get(key, UNKNOWN)):
                     self._write(victim, evicted, victim_owner)
                 self._track(key)
             else:
@@ -718,36 +770,53 @@ class TierChain:
         self.finished_jobs.pop(token, None)
 
     # ---- attach and detach at run time (step loop) ----------------------------------------------
-    def attach(self, name: str, tier: Any, remote_write: str | None = None) -> None:
-        """Put a tier in place (the slot must be empty); starts the I/O loop if it needs one."""
-        assert name in ("host", "disk", "remote") and getattr(self, name) is None
-        setattr(self, name, tier)
-        if name == "host":
-            self._attach_host(tier)
-        if name == "remote" and remote_write is not None:
-            self.remote_write = remote_write
-        if name in ("disk", "remote") and self.io is None:
+    def attach(self, tier: Tier) -> None:
+        """Put a tier in the place its role names (the place must be empty); starts the I/O loop
+        if the tier needs one."""
+        role = tier.traits.role
+        if self.tier(tier.name) is not None:
+            raise ValueError(f"the {tier.name} tier is already attached; detach it first")
+        if role != "store" and getattr(self, role) is not None:
+            raise ValueError(f"a {role} tier ({getattr(self, role).name}) is already attached; detach it first")
+        placed: Any = tier  # (the memory tier's eviction hook, the shared tier's sender thread)
+        if role == "store":
+            self.stores.append(tier)
+            self.ops.setdefault(f"{tier.name}_read", OpTimes())
+            self.ops.setdefault(f"{tier.name}_write", OpTimes())
+        else:
+            setattr(self, role, tier)
+        if role == "memory":
+            placed.keep = self._keep_in_host
+        elif self.io is None:
             self.io = IOLoop()
-        if name == "remote" and self.io is not None:
-            tier.write_executor = self.io.sender
+        if role == "shared":
+            assert self.io is not None
+            placed.write_executor = self.io.sender
+            self.ops.setdefault(f"{tier.name}_put", OpTimes())
 
-    def detach(self, name: str, flush_timeout_s: float = 10.0) -> None:
-        """Take a tier out. Host blocks are written to disk first (when a disk tier is there);
-        a detached disk keeps its files (attaching the folder again finds them); in-flight reads
-        finish on the tier they started on."""
-        tier = getattr(self, name)
-        assert tier is not None
-        if name == "host" and self.disk is not None:
+    def detach(self, name: str, flush_timeout_s: float = 10.0) -> Any:
+        """Take the tier called ``name`` out and return it. Host blocks are written to the store
+        first (when there is one); a detached store keeps its files (attaching the folder again
+        finds them); in-flight reads finish on the tier they started on."""
+        tier = self.tier(name)
+        if tier is None:
+            raise ValueError(f"the {name} tier is not attached")
+        role = tier.traits.role
+        if role == "memory" and self.stores:
             self.flush([], flush_timeout_s)
-        setattr(self, name, None)
-        if name == "host":
+        if role == "store":
+            self.stores.remove(tier)
+        else:
+            setattr(self, role, None)
+        if role == "memory":
             self._staged.clear()
             self._unpersisted.clear()
             tier.keep = None
-        if name == "remote":
+        if role == "shared":
             self._close_remote(tier)
+        return tier
 
-    def _close_remote(self, remote: RemoteTier) -> None:
+    def _close_remote(self, remote: SharedTier) -> None:
         if self.io is None:
             return
         try:
@@ -758,18 +827,18 @@ class TierChain:
     # ---- shutdown ---------------------------------------------------------------------------
     def flush(self, blocks: Iterable[tuple[Any, ...]], timeout_s: float) -> int:
         """Write host blocks and the given device blocks ((key, payload getter) or (key, getter,
-        owner)) to disk, waiting up to ``timeout_s``; what is already there (or on its way) is
+        owner)) to the store tiers, waiting up to ``timeout_s``; what is already there (or on its way) is
         skipped. Call it while nothing else changes the tiers (the step loop is here): host slots
         are written from where they lie, with at most `FLUSH_WINDOW` writes in flight so memory
         stays bounded. Returns how many blocks were written."""
-        disk, io = self.disk, self.io
-        if disk is None or io is None:
+        io = self.io
+        if not self.stores or io is None:
             return 0
         deadline = time.monotonic() + timeout_s
         sources: list[tuple[bytes, Callable[[], bytes | memoryview | None], str]] = [
             (entry[0], entry[1], entry[2] if len(entry) > 2 else UNKNOWN) for entry in blocks]
-        if self.host is not None:
-            host = self.host
+        if self.memory is not None:
+            host = self.memory
             sources += [(key, functools.partial(host.view, key), host.ledger.owner_of(key) or UNKNOWN)
                         for key in host.keys()]
         seen: set[bytes] = set()
@@ -785,18 +854,30 @@ class TierChain:
         for key, get, owner in sources:
             if time.monotonic() > deadline:
                 break
-            if key in seen or key in self._writing or key in disk:
+            if key in seen or key in self._writing:
+                continue
+            targets = [store for store in self.stores if key not in store]
+            if not targets:
                 continue
             payload = get()
             if payload is None:
                 continue
             seen.add(key)  # the device and the (inclusive) host may both hold it: write it once
-            window.append(io.submit(disk.write(key, payload, owner, executor=io.writer)))
+            window.append(io.submit(self._write_all(targets, key, payload, owner, io)))
             if len(window) >= FLUSH_WINDOW:
                 written += settle(window.popleft())
         while window:
             written += settle(window.popleft())
         self.stats.flushed_blocks += written
+        return written
+
+    @staticmethod
+    async def _write_all(stores: list[StoreTier], key: bytes, payload: bytes | memoryview, owner: str,
+                         io: IOLoop) -> bool:
+        """Write one block to each of ``stores`` in turn; True if any took it."""
+        written = False
+        for store in stores:
+            written = await store.write(key, payload, owner, executor=io.writer) or written
         return written
 
     def drain_writes(self, timeout_s: float) -> bool:
@@ -807,8 +888,8 @@ class TierChain:
 
     def close(self) -> None:
         if self.io is not None:
-            if self.remote is not None:
-                self._close_remote(self.remote)
+            if self.shared is not None:
+                self._close_remote(self.shared)
             self.io.close()
             self.io = None
 
@@ -820,47 +901,35 @@ class TierChain:
                                "life": {t.name: t.life.snapshot() for t in self.tiers},
                                "metadata_bytes": {t.name: t.stats.metadata_bytes for t in self.tiers},
                                "data_bytes": {t.name: t.stats.bytes_read + t.stats.bytes_written for t in self.tiers}}
-        if self.remote is not None:
-            out["remote_access"] = self.remote.access.snapshot()
+        if self.shared is not None:
+            out["remote_access"] = self.shared.access.snapshot()
         return out
 
     def snapshot(self) -> dict[str, Any]:
-        disk_problem = self.disk.health() if self.disk is not None else None  # first: it may recover the folder
+        """``{"chain": counters, <tier name>: that tier's state, ...}``, tiers top down; each tier's
+        entry has its counters, occupancy, cost model, ``traits`` and what `describe` adds."""
         out: dict[str, Any] = {"chain": {**_asdict(self.stats), "pending_writes": self._pending_writes,
                                          "inflight_reads": len(self._inflight), "persist": self.persist,
                                          "unpersisted_blocks": len(self._unpersisted)}}
         for tier in self.tiers:
+            detail = tier.describe()  # first: a tier may recover (a disk folder) while it looks
             out[tier.name] = {**tier.stats.snapshot(), "blocks": len(tier), "capacity_blocks": tier.capacity_blocks,
                               "bytes": tier.nbytes, "policy": tier.policy_name,
                               "load_bytes_per_s": tier.rate.bytes_per_s, "load_latency_s": tier.rate.latency_s,
-                              "load_samples": tier.rate.samples, "load_sample_age_s": tier.rate.age_s()}
-        for tier in (self.host, self.disk):
-            if tier is not None:
-                out[tier.name]["quota"] = tier.ledger.snapshot()
-        if self.host is not None:
-            out["host"]["shares_device_slab"] = self.host.shared
-            out["host"]["kept_unpersisted"] = self.host.kept  # evictions that passed over a block not on disk
-        if self.disk is not None:
-            out["disk"].update(path=str(self.disk.dir), healthy=disk_problem is None, unhealthy_reason=disk_problem,
-                               load_timeout_s=self.disk.load_timeout_s, stuck_reads=self.disk.readers.stuck)
-        if self.remote is not None:
-            out["remote"].update(url=self.remote.safe_url(), breaker=self.remote.breaker.state,
-                                 breaker_trips=self.remote.breaker.trips, write=self.remote_write,
-                                 exists_checks=self.remote.exists_checks, exists_time_s=self.remote.exists_time_s,
-                                 quota={"accounted_owners": self.remote.accounted_owners,
-                                        "quota_evictions": self.remote.quota_evictions})
+                              "load_samples": tier.rate.samples, "load_sample_age_s": tier.rate.age_s(),
+                              "traits": tier.traits.to_dict(), **detail}
         return out
 
     # ---- hostile folders ----------------------------------------------------------------------
     STALLED = -1  # what a read future settles with when its batch ran past the deadline
 
-    async def _read_into(self, keys: list[bytes], slots: list[Reservation | None], disk: DiskTier,
+    async def _read_into(self, keys: list[bytes], slots: list[Reservation | None], disk: StoreTier,
                          issued: float) -> list[int]:
         """Read a batch into its host slots and put each block (None where it failed) in the event
         queue, however late; the bytes read per key (I/O loop)."""
         payloads: list[memoryview | None] = [None] * len(keys)
         try:
-            payloads = await self._timed("disk_read", disk.read_many(keys, _views(slots)), issued)
+            payloads = await self._timed(f"{disk.name}_read", disk.read_many(keys, _views(slots)), issued)
         except Exception:
             logger.exception("disk cache read failed")
         finally:

@@ -33,6 +33,7 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from pathlib import Path
+from typing import Any
 
 import aiofiles
 import aiofiles.os
@@ -40,6 +41,7 @@ import numpy
 
 from cache.quota import UNKNOWN, QuotaLedger, pick_victim
 from cache.telemetry import BlockLife
+from cache.tiers.base import TierTraits
 from cache.tiers.codec import HEADER_SIZE, BlockFormat, CorruptBlockError, check, encode_header
 from cache.tiers.iov import advance
 from cache.tiers.policy import make_policy
@@ -58,6 +60,7 @@ STALL_LOG_EVERY_S = 60.0  # at most one warning per this long about loads past t
 
 class DiskTier:
     name = "disk"
+    traits = TierTraits(locality="node-ssd", lifetime="persistent", substrate="nvme-fs", shared=False, role="store")
 
     def __init__(self, path: str | Path, capacity_bytes: int, fmt: BlockFormat, policy: str = "lru",
                  load_timeout_s: float = LOAD_TIMEOUT_S, read_threads: int = min(4, os.cpu_count() or 1)) -> None:
@@ -384,6 +387,16 @@ class DiskTier:
             self.life.removed(key)
         self._index.clear()
         return lost
+
+    def apply_quota(self, owner: str, tag: str, blocks: int | None) -> None:
+        """At most ``blocks`` of ``owner``'s blocks here (None: no limit)."""
+        self.ledger.set_limit(owner, blocks)
+
+    def describe(self) -> dict[str, Any]:
+        problem = self.health()  # (it may recover the folder)
+        return {"quota": self.ledger.snapshot(), "path": str(self.dir), "healthy": problem is None,
+                "unhealthy_reason": problem, "load_timeout_s": self.load_timeout_s,
+                "stuck_reads": self.readers.stuck}
 
     def health(self) -> str | None:
         """Why the tier cannot serve now — its folder is gone and cannot be recreated, or every

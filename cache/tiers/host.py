@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy
 import torch
 
 from cache.quota import UNKNOWN, QuotaLedger, pick_victim
 from cache.telemetry import BlockLife
+from cache.tiers.base import TierTraits
 from cache.tiers.policy import make_policy
 from cache.tiers.stats import RateEstimate, TierStats
 
@@ -34,6 +36,7 @@ KEEP_SCAN = 64
 
 class HostTier:
     name = "host"
+    traits = TierTraits(locality="host", lifetime="session", substrate="host-dram", shared=False, role="memory")
 
     def __init__(self, capacity_bytes: int, block_nbytes: int, policy: str = "lru", pin: bool = False,
                  slab: torch.Tensor | None = None, rows: Sequence[int] = ()) -> None:
@@ -73,6 +76,14 @@ class HostTier:
         # per slot, how many times a block left it: `snapshot` on another thread tells by it that
         # its copy may be torn
         self._left: dict[int, int] = {}
+
+    def apply_quota(self, owner: str, tag: str, blocks: int | None) -> None:
+        """At most ``blocks`` of ``owner``'s blocks here (None: no limit)."""
+        self.ledger.set_limit(owner, blocks)
+
+    def describe(self) -> dict[str, Any]:
+        return {"quota": self.ledger.snapshot(), "shares_device_slab": self.shared,
+                "kept_unpersisted": self.kept}  # evictions that passed over a block not on disk
 
     def __len__(self) -> int:
         return len(self._index)

@@ -22,6 +22,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from cache.telemetry import AccessPattern, BlockLife
+from cache.tiers.base import TierTraits
 from cache.tiers.codec import (
     HEADER_SIZE,
     BlockFormat,
@@ -75,11 +76,20 @@ class CircuitBreaker:
             self.opened_at = time.monotonic()
 
 
+WRITE_MODES = ("through", "back")
+
+
 class RemoteTier:
     name = "remote"
+    traits = TierTraits(locality="remote", lifetime="persistent", substrate="network", shared=True, role="shared")
 
     def __init__(self, url: str, fmt: BlockFormat, ttl_s: int = 86400, cluster: bool = False,
-                 timeout_s: float = 0.5, failures_to_open: int = 3, open_s: float = 5.0) -> None:
+                 timeout_s: float = 0.5, failures_to_open: int = 3, open_s: float = 5.0,
+                 write_mode: str = "through") -> None:
+        """``write_mode``: "through" sends blocks when computed, "back" when they leave host memory."""
+        if write_mode not in WRITE_MODES:
+            raise ValueError(f"write must be through or back, got {write_mode!r}")
+        self.write_mode = write_mode
         self.url = url
         self.fmt = fmt
         self.ttl_s = ttl_s
@@ -108,6 +118,21 @@ class RemoteTier:
         self.quota_evictions = 0
         # block hashes a quota deleted (I/O loop appends, step loop drains: the chain forgets it sent them)
         self.unstored: collections.deque[bytes] = collections.deque(maxlen=65536)
+
+    def apply_quota(self, owner: str, tag: str, blocks: int | None) -> None:
+        """Account ``owner``'s writes under ``tag`` and keep at most ``blocks`` of them (None: no
+        quota, nothing accounted)."""
+        if blocks is None:
+            self.drop_account(owner)
+        else:
+            self.set_account(owner, tag, blocks)
+
+    def describe(self) -> dict[str, Any]:
+        return {"url": self.safe_url(), "cluster": self.cluster,
+                "label": "remote Redis Cluster" if self.cluster else "",
+                "breaker": self.breaker.state, "breaker_trips": self.breaker.trips, "write": self.write_mode,
+                "exists_checks": self.exists_checks, "exists_time_s": self.exists_time_s,
+                "quota": {"accounted_owners": self.accounted_owners, "quota_evictions": self.quota_evictions}}
 
     def key(self, block_hash: bytes) -> str:
         return self.prefix + block_hash.hex()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -34,14 +35,26 @@ NB = FMT.payload_size
 DEAD_REDIS = "redis://127.0.0.1:1/0"  # never connected to: the tests drive the breaker directly
 
 
+KINDS = {"host": HostTier, "disk": DiskTier, "remote": RemoteTier}
+
+
+def tier_view(name: str, healthy: bool = True, **fields: Any) -> TierView:
+    """A view of a tier of kind ``name``, with the traits that kind declares."""
+    traits = KINDS[name].traits
+    return TierView(name, enabled=True, healthy=healthy, locality=traits.locality, lifetime=traits.lifetime,
+                    substrate=traits.substrate, shared=traits.shared, **fields)
+
+
 def view(device: str = "cuda", caching: bool = True, host: bool | None = None, disk: bool | None = None,
-         remote: bool | None = None, breaker: str = "open", **flags: bool) -> HierarchyView:
+         remote: bool | None = None, breaker: str = "open", remote_cluster: bool = False,
+         **flags: bool) -> HierarchyView:
     """None: tier absent; True: attached and healthy; False: attached and down."""
     tiers = []
     for name, state in (("host", host), ("disk", disk), ("remote", remote)):
         if state is not None:
             detail = {"breaker": "closed" if state else breaker} if name == "remote" else {}
-            tiers.append(TierView(name, enabled=True, healthy=state, detail=detail))  # type: ignore[arg-type]
+            label = "remote Redis Cluster" if name == "remote" and remote_cluster else ""
+            tiers.append(tier_view(name, healthy=state, detail=detail, label=label))
     return HierarchyView(device, caching, tuple(tiers), **flags)  # type: ignore[arg-type]
 
 
@@ -97,7 +110,7 @@ def test_configuration_table(config: HierarchyView, name: str, locality: list[st
     assert axes["ownership"] == ownership
     assert axes["substrate"] == substrate
     assert set(axes["lifetime"]["per_tier"]) == {t for t, r in got["tiers"].items() if r["active"]}
-    assert list(got["tiers"]) == ["device", "host", "disk", "remote"]
+    assert list(got["tiers"]) == ["device"] + [t.name for t in config.tiers[1:]]  # attached ones, top down
     json.dumps(got)  # JSON as is
 
 
@@ -120,7 +133,7 @@ def test_down_and_inert_tiers_are_reported_but_not_decisive() -> None:
     tiers = classify(view(host=True, remote=False)).tiers
     assert tiers["remote"].enabled and not tiers["remote"].healthy and not tiers["remote"].active
     assert tiers["remote"].substrate == NET and tiers["remote"].lifetime == "persistent"
-    assert not tiers["disk"].enabled and not tiers["disk"].healthy
+    assert "disk" not in tiers  # not attached: not listed
     inert = classify(view(caching=False, host=True)).tiers["host"]
     assert inert.enabled and inert.healthy and not inert.active
 
@@ -129,7 +142,9 @@ def test_invalid_views_are_refused() -> None:
     with pytest.raises(ValueError):
         HierarchyView("tpu", True)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        TierView("ssd", True)  # type: ignore[arg-type]
+        TierView("", True)
+    with pytest.raises(ValueError):
+        TierView("ssd", True, lifetime="forever")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         HierarchyView("cpu", True, (TierView("host", True), TierView("host", True)))
     with pytest.raises(ValueError):
@@ -153,7 +168,7 @@ def chains() -> Iterator[list[TierChain]]:
 
 def test_describe_follows_a_real_chain_through_detach_and_attach(tmp_path: Path,
                                                                  chains: list[TierChain]) -> None:
-    chains.append(chain := TierChain(HostTier(4 * NB, NB), DiskTier(tmp_path / "disk", 8 * FMT.record_size, FMT)))
+    chains.append(chain := TierChain([HostTier(4 * NB, NB), DiskTier(tmp_path / "disk", 8 * FMT.record_size, FMT)]))
     chain.demote(bytes(32), torch.zeros(NB, dtype=torch.uint8))
 
     def now(device: str = "cuda:0") -> dict:
@@ -163,36 +178,37 @@ def test_describe_follows_a_real_chain_through_detach_and_attach(tmp_path: Path,
     assert first["name"] == "Hybrid-Tier"
     assert first["axes"]["locality"] == ["device", "host", "node-ssd"]
     assert first["tiers"]["host"]["capacity_bytes"] == 4 * NB  # derived: a block is in host
-    assert first["tiers"]["disk"]["detail"]["path"] == str(chain.disk.dir)  # type: ignore[union-attr]
+    assert first["tiers"]["disk"]["detail"]["path"] == str(chain.store.dir)  # type: ignore[union-attr]
     assert now("cpu")["axes"]["substrate"] == [RAM, DRAM, NVME]
 
     chain.detach("disk")
     assert now()["axes"]["locality"] == ["device", "host"]
     chain.detach("host")
-    assert now()["name"] == "Local-Paged" and not now()["tiers"]["host"]["enabled"]
+    assert now()["name"] == "Local-Paged" and "host" not in now()["tiers"]
 
-    chain.attach("remote", RemoteTier(DEAD_REDIS, FMT, open_s=60.0))
+    chain.attach(RemoteTier(DEAD_REDIS, FMT, open_s=60.0))
     shared = now()
     assert shared["name"] == "Shared-Store" and shared["axes"]["ownership"] == SHARED_OWNED
     assert shared["tiers"]["remote"]["capacity_bytes"] is None  # bounded by Redis, not KVGate
 
-    assert chain.remote is not None
-    for _ in range(chain.remote.breaker.failures_to_open):  # what three timed-out pipelines do
-        chain.remote.breaker.failure()
+    assert chain.shared is not None
+    for _ in range(chain.shared.breaker.failures_to_open):  # what three timed-out pipelines do
+        chain.shared.breaker.failure()
     tripped = now()
     assert tripped["name"] == "Local-Paged"
     assert tripped["reason"].startswith("remote tier configured but unreachable (circuit open)")
     assert tripped["tiers"]["remote"]["detail"]["breaker_trips"] == 1
-    chain.remote.breaker.success()  # a probe got through
+    chain.shared.breaker.success()  # a probe got through
     assert now()["name"] == "Shared-Store"
 
 
 def test_describe_reads_half_open_and_cluster(tmp_path: Path, chains: list[TierChain]) -> None:
-    chains.append(chain := TierChain(HostTier(4 * NB, NB), None, remote=RemoteTier(DEAD_REDIS, FMT, open_s=0.0)))
-    assert chain.remote is not None
-    for _ in range(chain.remote.breaker.failures_to_open):
-        chain.remote.breaker.failure()
-    got = classify(describe("cuda", True, chain.snapshot(), remote_cluster=True)).to_dict()
+    chains.append(chain := TierChain([HostTier(4 * NB, NB), RemoteTier(DEAD_REDIS, FMT, open_s=0.0)]))
+    assert chain.shared is not None
+    for _ in range(chain.shared.breaker.failures_to_open):
+        chain.shared.breaker.failure()
+    chain.shared.cluster = True  # (how a Redis Cluster store describes itself; never connected to here)
+    got = classify(describe("cuda", True, chain.snapshot())).to_dict()
     assert got["name"] == "Hybrid-Tier" and got["axes"]["ownership"] == ENGINE_OWNED
     assert "circuit half-open" in got["reason"]
     assert got["tiers"]["remote"]["detail"]["cluster"] is True
@@ -220,15 +236,13 @@ def test_classify_is_total(device: str, caching: bool, host: str | None, disk: s
     stats: dict[str, dict] = {"chain": {"demotions": 0}}
     for name, state in (("host", host), ("disk", disk)):
         if state is not None:
-            stats[name] = {"blocks": 0, "capacity_blocks": 4, "bytes": 0}
+            stats[name] = {"blocks": 0, "capacity_blocks": 4, "bytes": 0, "traits": KINDS[name].traits.to_dict(),
+                           "healthy": state == "healthy"}
     if remote is not None:
-        stats["remote"] = {"blocks": 0, "capacity_blocks": 0, "bytes": 0, "breaker": remote}
-    described = describe(device, caching, stats, cluster, disaggregated=disaggregated, central_manager=central)
-    # host and disk have no health signal in the snapshot: mark some down by hand
-    down = {n for n, s in (("host", host), ("disk", disk)) if s == "down"}
-    tiers = tuple(TierView(t.name, t.enabled, t.healthy and t.name not in down, t.capacity_bytes, t.detail)
-                  for t in described.tiers)
-    config = HierarchyView(described.device_kind, caching, tiers, cluster, disaggregated, central)
+        stats["remote"] = {"blocks": 0, "capacity_blocks": 0, "bytes": 0, "breaker": remote,
+                           "traits": RemoteTier.traits.to_dict(), "cluster": cluster,
+                           "label": "remote Redis Cluster" if cluster else ""}
+    config = describe(device, caching, stats, disaggregated=disaggregated, central_manager=central)
 
     got = classify(config)
     assert got.name in ARCHETYPES and got.reason.strip()

@@ -51,24 +51,24 @@ def made(tmp_path: Path) -> Iterator[list[TierChain]]:
         yield chains
     finally:
         for chain in chains:
-            if chain.disk is not None:
-                chain.disk.gate.set()  # type: ignore[attr-defined]
+            if chain.store is not None:
+                chain.store.gate.set()  # type: ignore[attr-defined]
             chain.close()
 
 
 def slow_chain(tmp_path: Path, host_blocks: int = 2, max_pending_writes: int = 256, persist: str = "on_evict",
                max_delay_s: float = 0.0) -> TierChain:
     disk = SlowDisk(tmp_path / "disk", 256 * FMT.record_size, FMT, max_delay_s=max_delay_s)
-    return TierChain(HostTier(host_blocks * NB, NB), disk, max_pending_writes=max_pending_writes, persist=persist)
+    return TierChain([HostTier(host_blocks * NB, NB), disk], max_pending_writes=max_pending_writes, persist=persist)
 
 
 def test_a_block_being_written_is_found_recalled_and_loaded(tmp_path: Path, made: list[TierChain]) -> None:
     made.append(chain := slow_chain(tmp_path))
-    assert chain.host is not None and chain.disk is not None
-    chain.disk.gate.clear()  # type: ignore[attr-defined]
+    assert chain.memory is not None and chain.store is not None
+    chain.store.gate.clear()  # type: ignore[attr-defined]
     for i in range(4):  # host of 2: blocks 0 and 1 leave for disk, whose writes wait
         chain.demote(key(i), block(i))
-    assert chain.pending_writes == 2 and key(0) not in chain.disk and key(0) not in chain.host
+    assert chain.pending_writes == 2 and key(0) not in chain.store and key(0) not in chain.memory
     # a lookup during the write finds it, and it is not planned as a disk read
     assert chain.on_lower_tier(key(0)) and chain.local_end([key(0), key(1), key(9)]) == 2
     assert chain.plan_prefetch([key(0), key(1)], 16, None) == []
@@ -76,78 +76,78 @@ def test_a_block_being_written_is_found_recalled_and_loaded(tmp_path: Path, made
     assert out is not None and torch.equal(out, block(1))
     # a request that wants block 0 takes it back into host, where it stays whatever the write does
     assert chain.recall([key(0), key(9)]) == 1
-    assert key(0) in chain.host and chain.stats.recalled_blocks == 2
-    chain.disk.gate.set()  # type: ignore[attr-defined]
+    assert key(0) in chain.memory and chain.stats.recalled_blocks == 2
+    chain.store.gate.set()  # type: ignore[attr-defined]
     assert chain.drain_writes(WAIT_S)
     assert not chain._writing
-    assert key(0) in chain.disk and key(1) in chain.disk
+    assert key(0) in chain.store and key(1) in chain.store
     assert chain.stats.dropped_writes == 0
-    chain.host.check_invariants()
-    chain.disk.check_invariants()
+    chain.memory.check_invariants()
+    chain.store.check_invariants()
 
 
 def test_backed_up_writes_evict_a_block_already_on_disk_instead_of_dropping(tmp_path: Path,
                                                                             made: list[TierChain]) -> None:
     made.append(chain := slow_chain(tmp_path, host_blocks=4, max_pending_writes=1))
-    assert chain.host is not None and chain.disk is not None
+    assert chain.memory is not None and chain.store is not None
     demote_and_persist = [10, 11]  # on disk already, then back in host (as after a disk read)
     for i in demote_and_persist:
         chain.demote(key(i), block(i))
-    assert chain.flush([], WAIT_S) == 2 and all(key(i) in chain.disk for i in demote_and_persist)
-    chain.disk.gate.clear()  # type: ignore[attr-defined]
+    assert chain.flush([], WAIT_S) == 2 and all(key(i) in chain.store for i in demote_and_persist)
+    chain.store.gate.clear()  # type: ignore[attr-defined]
     for i in range(3):  # fills host (4), then one eviction: 10, the oldest, is on disk: no write
         chain.demote(key(i), block(i))
-    assert chain.pending_writes == 0 and key(10) not in chain.host
+    assert chain.pending_writes == 0 and key(10) not in chain.memory
     chain.demote(key(3), block(3))  # evicts 11 (on disk): still no write
     chain.demote(key(4), block(4))  # evicts 0: one write in flight, the bound
     assert chain.pending_writes == 1 and key(0) in chain._writing
     chain.demote(key(5), block(5))  # backed up: 1, the oldest, is not on disk; none is: dropped
     assert chain.stats.dropped_writes == 1
-    chain.disk.gate.set()  # type: ignore[attr-defined]
+    chain.store.gate.set()  # type: ignore[attr-defined]
     assert chain.drain_writes(WAIT_S)
     # with a block on disk in host again, a backed-up eviction takes it and spares the others
     assert chain.recall([key(0)]) == 0  # on disk, not being written: nothing to recall
     assert chain.prefetch("r", chain.plan_prefetch([key(0)], 16, None))
     poll_until(chain, ["r"])  # 0 is in host again, and on disk; it evicted 2 (written)
     assert chain.drain_writes(WAIT_S)
-    kept_before = chain.host.kept
-    chain.disk.gate.clear()  # type: ignore[attr-defined]
+    kept_before = chain.memory.kept
+    chain.store.gate.clear()  # type: ignore[attr-defined]
     chain.demote(key(6), block(6))  # evicts the LRU, 3 (not on disk): a write, now in flight
     assert chain.pending_writes == 1
     chain.demote(key(7), block(7))  # backed up: 4 is LRU and not on disk, 0 is on disk: 0 leaves
-    assert chain.stats.dropped_writes == 1 and chain.host.kept == kept_before + 1
-    assert key(4) in chain.host and key(0) not in chain.host and key(0) in chain.disk
-    chain.disk.gate.set()  # type: ignore[attr-defined]
+    assert chain.stats.dropped_writes == 1 and chain.memory.kept == kept_before + 1
+    assert key(4) in chain.memory and key(0) not in chain.memory and key(0) in chain.store
+    chain.store.gate.set()  # type: ignore[attr-defined]
     assert chain.drain_writes(WAIT_S)
-    chain.host.check_invariants()
+    chain.memory.check_invariants()
 
 
 def test_persist_behind_writes_host_blocks_oldest_first(tmp_path: Path, made: list[TierChain]) -> None:
     made.append(chain := slow_chain(tmp_path, host_blocks=8, max_pending_writes=4, persist="behind"))
-    assert chain.host is not None and chain.disk is not None
+    assert chain.memory is not None and chain.store is not None
     for i in range(6):
         chain.demote(key(i), block(i))
-    assert len(chain.disk) == 0  # nothing leaves host: on_evict would write nothing yet
+    assert len(chain.store) == 0  # nothing leaves host: on_evict would write nothing yet
     assert chain.persist_behind() == 2  # half the write bound at a time, oldest first
     assert chain.drain_writes(WAIT_S)
-    assert {k for k in (key(i) for i in range(6)) if k in chain.disk} == {key(0), key(1)}
+    assert {k for k in (key(i) for i in range(6)) if k in chain.store} == {key(0), key(1)}
     deadline = time.monotonic() + WAIT_S
-    while len(chain.disk) < 6:
+    while len(chain.store) < 6:
         assert time.monotonic() < deadline
         chain.persist_behind()
         time.sleep(0.005)
     assert chain.drain_writes(WAIT_S) and chain.stats.persisted_behind == 6
     for i in range(6):  # every record is whole, and evicting the blocks later costs no write
-        assert bytes(asyncio.run_coroutine_threadsafe(chain.disk.read(key(i)), chain.io.loop).result(WAIT_S)) == raw(i)
-    writes = chain.disk.stats.writes
+        assert bytes(asyncio.run_coroutine_threadsafe(chain.store.read(key(i)), chain.io.loop).result(WAIT_S)) == raw(i)
+    writes = chain.store.stats.writes
     for i in range(6, 14):
         chain.demote(key(i), block(i))
-    assert chain.pending_writes == 0 and chain.disk.stats.writes == writes
+    assert chain.pending_writes == 0 and chain.store.stats.writes == writes
 
 
 def test_a_block_moved_during_its_background_copy_is_not_written_torn(tmp_path: Path, made: list[TierChain]) -> None:
     made.append(chain := slow_chain(tmp_path, host_blocks=2, persist="behind"))
-    host = chain.host
+    host = chain.memory
     assert host is not None
     chain.demote(key(0), block(0))
     slot = host.slot_of(key(0))
@@ -192,7 +192,7 @@ class NoLossMachine(RuleBasedStateMachine):
         if out is not None:
             assert torch.equal(out, block(i))
         else:  # only on disk: its record is whole
-            disk = self.chain.disk
+            disk = self.chain.store
             assert disk is not None and key(i) in disk
             assert self.chain.io is not None
             got = asyncio.run_coroutine_threadsafe(disk.read(key(i)), self.chain.io.loop).result(WAIT_S)
@@ -210,7 +210,7 @@ class NoLossMachine(RuleBasedStateMachine):
     def every_block_is_somewhere(self) -> None:
         chain = self.chain
         for i in self.demoted:
-            assert chain.on_lower_tier(key(i)) or key(i) in chain.disk, f"block {i} is in no tier"
+            assert chain.on_lower_tier(key(i)) or key(i) in chain.store, f"block {i} is in no tier"
         assert chain.stats.dropped_writes == 0
 
 

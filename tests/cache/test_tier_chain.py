@@ -40,7 +40,7 @@ def make_chain(tmp_path: Path, host_blocks: int | None = 2, disk_blocks: int = 3
                max_pending_writes: int = 256) -> TierChain:
     host = HostTier(host_blocks * NB, NB) if host_blocks else None
     disk = DiskTier(tmp_path / "disk", disk_blocks * FMT.record_size, FMT)
-    return TierChain(host, disk, max_pending_writes=max_pending_writes)
+    return TierChain([host, disk], max_pending_writes=max_pending_writes)
 
 
 @pytest.fixture
@@ -87,17 +87,17 @@ def demote_all(chain: TierChain, ids: Iterable[int]) -> None:
 
 
 def test_overflow_reaches_disk(chain: TierChain) -> None:
-    assert chain.host is not None and chain.disk is not None
+    assert chain.memory is not None and chain.store is not None
     demote_all(chain, range(5))
     assert chain.stats.demotions == 5
-    assert set(chain.host.keys()) == {key(3), key(4)}  # LRU: the newest two stay in host
+    assert set(chain.memory.keys()) == {key(3), key(4)}  # LRU: the newest two stay in host
     for i in range(3):
-        assert key(i) in chain.disk
-        assert chain.disk.path_of(key(i)).exists()
-    assert len(chain.disk) == 3 and chain.pending_writes == 0
-    assert chain.host.stats.evictions == 3
-    chain.disk.check_invariants()
-    chain.host.check_invariants()
+        assert key(i) in chain.store
+        assert chain.store.path_of(key(i)).exists()
+    assert len(chain.store) == 3 and chain.pending_writes == 0
+    assert chain.memory.stats.evictions == 3
+    chain.store.check_invariants()
+    chain.memory.check_invariants()
 
 
 def test_load_from_host(chain: TierChain) -> None:
@@ -113,9 +113,9 @@ def test_load_from_host(chain: TierChain) -> None:
 
 def test_disk_only_chain_demotes_straight_to_disk(tmp_path: Path, chains: list[TierChain]) -> None:
     chains.append(chain := make_chain(tmp_path, host_blocks=None))
-    assert chain.host is None and chain.disk is not None
+    assert chain.memory is None and chain.store is not None
     demote_all(chain, range(3))
-    assert len(chain.disk) == 3
+    assert len(chain.store) == 3
     assert chain.plan_prefetch([key(0), key(1)], 16, None) == [key(0), key(1)]
     assert chain.prefetch("r", [key(0), key(1)])
     poll_until(chain, ["r"])
@@ -126,7 +126,7 @@ def test_disk_only_chain_demotes_straight_to_disk(tmp_path: Path, chains: list[T
 
 
 def test_chain_without_disk(chains: list[TierChain]) -> None:
-    chains.append(chain := TierChain(HostTier(2 * NB, NB), None))
+    chains.append(chain := TierChain([HostTier(2 * NB, NB)]))
     assert chain.io is None
     for i in range(4):
         chain.demote(key(i), block(i))  # the overflow is simply dropped
@@ -166,7 +166,7 @@ def test_plan_prefetch_chooses_recompute_when_prefill_is_faster(chain: TierChain
 def test_prefetch_then_poll_releases_and_blocks_are_in_host(tmp_path: Path, chains: list[TierChain]) -> None:
     chains.append(chain := make_chain(tmp_path, host_blocks=4))
     demote_all(chain, range(8))  # 0..3 on disk, 4..7 in host
-    assert chain.disk is not None and chain.host is not None
+    assert chain.store is not None and chain.memory is not None
     need = chain.plan_prefetch([key(0), key(1), key(2)], 16, None)
     assert need == [key(0), key(1), key(2)]
     assert chain.prefetch("req-1", need)
@@ -176,44 +176,44 @@ def test_prefetch_then_poll_releases_and_blocks_are_in_host(tmp_path: Path, chai
     assert released == ["req-1"]
     assert not chain.loading and chain.poll() == []
     assert chain.stats.prefetches == 1 and chain.stats.prefetched_blocks == 3
-    assert chain.disk.stats.reads == 3
+    assert chain.store.stats.reads == 3
     for i in range(3):
-        assert key(i) in chain.host
+        assert key(i) in chain.memory
         out = load(chain, i)
         assert out is not None and torch.equal(out, block(i))
     assert chain.drain_writes(WAIT_S)  # host evictions caused by the loads went down
-    chain.host.check_invariants()
-    chain.disk.check_invariants()
+    chain.memory.check_invariants()
+    chain.store.check_invariants()
 
 
 def test_disk_reads_land_in_reserved_host_slots(tmp_path: Path, chains: list[TierChain]) -> None:
     """A prefetch reserves one host slot per block and the file is read straight into it: the
     block appears in host memory without a copy by the loop; a failed read gives its slot back."""
     chains.append(chain := make_chain(tmp_path, host_blocks=8, disk_blocks=64))
-    assert chain.disk is not None and chain.host is not None
+    assert chain.store is not None and chain.memory is not None
     for i in range(40):
-        asyncio.run(chain.disk.write(key(i), raw(i)))
-    chain.disk.path_of(key(3)).write_bytes(b"\0" * FMT.record_size)  # corrupt on disk
+        asyncio.run(chain.store.write(key(i), raw(i)))
+    chain.store.path_of(key(3)).write_bytes(b"\0" * FMT.record_size)  # corrupt on disk
     keys = [key(i) for i in range(6)]
     assert chain.plan_prefetch(keys, 16, None) == keys
     assert chain.prefetch("r", keys)
-    assert len(chain.host._reserved) == 6 and len(chain.host) == 0  # slots held, nothing indexed yet
+    assert len(chain.memory._reserved) == 6 and len(chain.memory) == 0  # slots held, nothing indexed yet
     poll_until(chain, ["r"])
-    assert not chain.host._reserved
-    assert [key(i) in chain.host for i in range(6)] == [True, True, True, False, True, True]
-    assert chain.disk.stats.corrupt == 1 and chain.stats.prefetched_blocks == 5
+    assert not chain.memory._reserved
+    assert [key(i) in chain.memory for i in range(6)] == [True, True, True, False, True, True]
+    assert chain.store.stats.corrupt == 1 and chain.stats.prefetched_blocks == 5
     for i in (0, 1, 2, 4, 5):
         out = load(chain, i)
         assert out is not None and torch.equal(out, block(i))
-    chain.host.check_invariants()
-    chain.disk.check_invariants()
+    chain.memory.check_invariants()
+    chain.store.check_invariants()
     # a load bigger than the host: every slot is reserved, the rest arrive in buffers of their own
     more = [key(i) for i in range(10, 40)]
     assert chain.prefetch("big", chain.plan_prefetch(more, 16, None))
     poll_until(chain, ["big"])
     assert chain.stats.prefetched_blocks == 5 + 30
-    assert len(chain.host) == 8 and not chain.host._reserved
-    chain.host.check_invariants()
+    assert len(chain.memory) == 8 and not chain.memory._reserved
+    chain.memory.check_invariants()
 
 
 def test_room_for_a_load_is_not_taken_from_the_same_requests_host_blocks(tmp_path: Path,
@@ -221,32 +221,32 @@ def test_room_for_a_load_is_not_taken_from_the_same_requests_host_blocks(tmp_pat
     """A prompt whose first blocks are in host (least recently used) and the rest on disk: the
     slots for the disk blocks are made by evicting other blocks, not the prompt's own."""
     chains.append(chain := make_chain(tmp_path, host_blocks=4))
-    assert chain.disk is not None and chain.host is not None
+    assert chain.store is not None and chain.memory is not None
     for i in (2, 3):
-        asyncio.run(chain.disk.write(key(i), raw(i)))
+        asyncio.run(chain.store.write(key(i), raw(i)))
     for i in (0, 1, 50, 51):  # the prompt's blocks 0 and 1 first: the LRU ones
-        chain.host.put(key(i), block(i))
+        chain.memory.put(key(i), block(i))
     prompt = [key(i) for i in range(4)]
     need = chain.plan_prefetch(prompt, 16, None)
     assert need == [key(2), key(3)]
     assert chain.prefetch("r", need, also_wait_for=prompt)
     poll_until(chain, ["r"])
-    assert all(k in chain.host for k in prompt)
-    assert key(50) not in chain.host and key(51) not in chain.host
-    chain.host.check_invariants()
+    assert all(k in chain.memory for k in prompt)
+    assert key(50) not in chain.memory and key(51) not in chain.memory
+    chain.memory.check_invariants()
 
 
 def test_many_blocks_are_read_in_parallel_batches(tmp_path: Path, chains: list[TierChain]) -> None:
     chains.append(chain := make_chain(tmp_path, host_blocks=128, disk_blocks=128))
-    assert chain.disk is not None and chain.host is not None
+    assert chain.store is not None and chain.memory is not None
     for i in range(100):
-        asyncio.run(chain.disk.write(key(i), raw(i)))
+        asyncio.run(chain.store.write(key(i), raw(i)))
     keys = [key(i) for i in range(100)]
     assert chain.prefetch("r", chain.plan_prefetch(keys, 16, None))
     poll_until(chain, ["r"])
     ops = chain.ops["disk_read"].snapshot()["ops"]
     assert 2 <= ops < 100  # batches, not one call per block, and more than one
-    assert chain.disk.stats.hits == 100 and len(chain.host) == 100
+    assert chain.store.stats.hits == 100 and len(chain.memory) == 100
     for i in range(100):
         out = load(chain, i)
         assert out is not None and torch.equal(out, block(i))
@@ -256,7 +256,7 @@ def test_a_remote_block_wanted_by_two_requests_is_fetched_once(redis_url: str, c
     """Two requests arriving together for the same prefix in Redis: one GET pipeline (the
     second waits for the first's), both released with every block in host memory."""
     remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0)
-    chains.append(chain := TierChain(HostTier(32 * NB, NB), None, remote=remote))
+    chains.append(chain := TierChain([HostTier(32 * NB, NB), remote]))
     assert chain.io is not None
     assert chain.io.submit(remote.put([(key(i), raw(i)) for i in range(12)])).result(WAIT_S)
     keys = [key(i) for i in range(12)]
@@ -274,10 +274,10 @@ def test_a_remote_block_wanted_by_two_requests_is_fetched_once(redis_url: str, c
     released = poll_until(chain, ["a", "b"])
     assert sorted(map(str, released)) == ["a", "b"]
     assert calls == [12] and remote.stats.reads == 1 and remote.stats.hits == 12
-    assert chain.host is not None and all(k in chain.host for k in keys)
+    assert chain.memory is not None and all(k in chain.memory for k in keys)
     # each job reserved its own 12 slots; b's, never written (it waited for a's GET), are free again
-    chain.host.check_invariants()
-    assert not chain.host._reserved and len(chain.host._free) == 32 - 12
+    chain.memory.check_invariants()
+    assert not chain.memory._reserved and len(chain.memory._free) == 32 - 12
     for i in range(12):
         out = load(chain, i)
         assert out is not None and torch.equal(out, block(i))
@@ -308,8 +308,8 @@ def test_remote_blocks_land_straight_in_free_host_slots(redis_url: str, chains: 
     """With free host slots, a remote load's payloads are received into them (no copy after);
     the slots of blocks the store lacks are freed again."""
     remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0)
-    chains.append(chain := TierChain(HostTier(16 * NB, NB), None, remote=remote))
-    host = chain.host
+    chains.append(chain := TierChain([HostTier(16 * NB, NB), remote]))
+    host = chain.memory
     assert chain.io is not None and host is not None
     assert chain.io.submit(remote.put([(key(i), raw(i)) for i in range(6)])).result(WAIT_S)
     seen = _recording_gets(remote)
@@ -325,8 +325,8 @@ def test_remote_blocks_land_straight_in_free_host_slots(redis_url: str, chains: 
 
 def test_a_remote_key_asked_for_twice_holds_one_slot(redis_url: str, chains: list[TierChain]) -> None:
     remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0)
-    chains.append(chain := TierChain(HostTier(8 * NB, NB), None, remote=remote))
-    host = chain.host
+    chains.append(chain := TierChain([HostTier(8 * NB, NB), remote]))
+    host = chain.memory
     assert chain.io is not None and host is not None
     assert chain.io.submit(remote.put([(key(70), raw(70))])).result(WAIT_S)
     assert chain.prefetch("r", [], remote_keys=[key(70), key(70), key(71), key(71)])
@@ -340,8 +340,8 @@ def test_a_full_host_evicts_nothing_for_remote_blocks_the_store_lacks(redis_url:
     """Remote loads take only free slots: with the host full, a lookup that misses costs no host
     block, and a hit still arrives (in buffers of its own, copied in, evicting as a put does)."""
     remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0)
-    chains.append(chain := TierChain(HostTier(4 * NB, NB), None, remote=remote))
-    host = chain.host
+    chains.append(chain := TierChain([HostTier(4 * NB, NB), remote]))
+    host = chain.memory
     assert chain.io is not None and host is not None
     for i in range(4):
         chain.demote(key(i), block(i))
@@ -366,7 +366,7 @@ def test_prefetch_with_nothing_to_wait_for(chain: TierChain) -> None:
 def test_block_wanted_by_two_requests_is_read_once(tmp_path: Path, chains: list[TierChain]) -> None:
     chains.append(chain := make_chain(tmp_path, host_blocks=4))
     demote_all(chain, range(8))
-    assert chain.disk is not None
+    assert chain.store is not None
     keys = [key(0), key(1)]
     assert chain.prefetch("a", chain.plan_prefetch(keys, 16, None))
     need_b = chain.plan_prefetch(keys, 16, None)
@@ -374,17 +374,17 @@ def test_block_wanted_by_two_requests_is_read_once(tmp_path: Path, chains: list[
     assert chain.prefetch("b", need_b, also_wait_for=keys)  # waits on a's reads
     released = poll_until(chain, ["a", "b"])
     assert sorted(map(str, released)) == ["a", "b"]
-    assert chain.disk.stats.reads == 2 and chain.disk.stats.hits == 2
+    assert chain.store.stats.reads == 2 and chain.store.stats.hits == 2
     assert chain.stats.prefetched_blocks == 2
 
 
 def test_failed_read_still_releases_the_waiter(chain: TierChain) -> None:
     demote_all(chain, range(5))
-    assert chain.disk is not None
-    chain.disk.path_of(key(0)).write_bytes(b"\0" * FMT.record_size)  # corrupt on disk
+    assert chain.store is not None
+    chain.store.path_of(key(0)).write_bytes(b"\0" * FMT.record_size)  # corrupt on disk
     assert chain.prefetch("r", [key(0), key(1)])
     poll_until(chain, ["r"])
-    assert chain.disk.stats.corrupt == 1
+    assert chain.store.stats.corrupt == 1
     assert load(chain, 0) is None  # the damaged block never reaches a device block
     out = load(chain, 1)
     assert out is not None and torch.equal(out, block(1))
@@ -405,7 +405,7 @@ def test_cancel(chain: TierChain) -> None:
 
 def test_pending_write_limit_drops_and_counts(tmp_path: Path, chains: list[TierChain]) -> None:
     chains.append(chain := make_chain(tmp_path, host_blocks=2, max_pending_writes=1))
-    assert chain.io is not None and chain.disk is not None
+    assert chain.io is not None and chain.store is not None
     gate = threading.Event()
 
     async def stall() -> None:
@@ -421,10 +421,10 @@ def test_pending_write_limit_drops_and_counts(tmp_path: Path, chains: list[TierC
         gate.set()
     assert chain.drain_writes(WAIT_S)
     assert chain.pending_writes == 0
-    assert len(chain.disk) == 1 and key(0) in chain.disk
+    assert len(chain.store) == 1 and key(0) in chain.store
     chain.demote(key(5), block(5))  # evicts 3 from host; room again once the write finished
     assert chain.drain_writes(WAIT_S)
-    assert key(3) in chain.disk and chain.stats.dropped_writes == 2
+    assert key(3) in chain.store and chain.stats.dropped_writes == 2
 
 
 def test_close_with_writes_in_flight_unwinds_them(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -459,7 +459,7 @@ def test_close_with_writes_in_flight_unwinds_them(tmp_path: Path, caplog: pytest
 def test_flush_writes_host_and_given_blocks(tmp_path: Path, chains: list[TierChain]) -> None:
     chains.append(chain := make_chain(tmp_path, host_blocks=3))
     demote_all(chain, range(4))  # 0 on disk; 1, 2, 3 in host
-    assert chain.disk is not None and chain.host is not None
+    assert chain.store is not None and chain.memory is not None
     calls: list[int] = []
 
     def getter(i: int) -> Callable[[], bytes]:
@@ -474,8 +474,8 @@ def test_flush_writes_host_and_given_blocks(tmp_path: Path, chains: list[TierCha
     assert chain.stats.flushed_blocks == 4
     assert calls == [10]
     for i in (0, 1, 2, 3, 10):
-        assert key(i) in chain.disk
-    chain.disk.check_invariants()
+        assert key(i) in chain.store
+    chain.store.check_invariants()
     # a new disk tier on the same folder starts warm, and the bytes are right
     again = DiskTier(tmp_path / "disk", 32 * FMT.record_size, FMT)
     assert again.rebuilt == 5
@@ -486,12 +486,12 @@ def test_flush_writes_host_and_given_blocks(tmp_path: Path, chains: list[TierCha
 def test_flush_writes_a_block_held_by_device_and_host_once(tmp_path: Path, chains: list[TierChain]) -> None:
     chains.append(chain := make_chain(tmp_path, host_blocks=3, disk_blocks=3))
     demote_all(chain, range(2))  # both in host (the host tier is inclusive of promoted blocks)
-    assert chain.disk is not None
+    assert chain.store is not None
     written = chain.flush([(key(0), lambda: raw(0)), (key(1), lambda: raw(1))], timeout_s=WAIT_S)
     assert written == 2 and chain.stats.flushed_blocks == 2
-    assert chain.disk.stats.writes == 2
-    assert len(chain.disk) == 2
-    chain.disk.check_invariants()
+    assert chain.store.stats.writes == 2
+    assert len(chain.store) == 2
+    chain.store.check_invariants()
 
 
 def test_flush_skips_missing_payloads(chain: TierChain) -> None:
@@ -511,7 +511,7 @@ def test_remote_blocks_without_a_host_tier_are_staged_then_promoted_once(redis_u
     """With no host tier a remote load waits in the chain (the reply's own buffer) until the
     request promotes it; a promoted block leaves the staging area."""
     remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0)
-    chains.append(chain := TierChain(None, None, remote=remote))
+    chains.append(chain := TierChain([remote]))
     assert chain.io is not None
     assert chain.io.submit(remote.put([(key(i), raw(i)) for i in range(5)])).result(WAIT_S)
     assert chain.prefetch("r", [], remote_keys=[key(i) for i in range(5)])
@@ -548,12 +548,12 @@ def test_writes_run_on_background_threads_below_normal_priority(
     monkeypatch.setattr(os, "writev", spy_writev)
     monkeypatch.setattr(resp, "_send_all", spy_send)
     disk = DiskTier(tmp_path / "disk", 32 * FMT.record_size, FMT)
-    chains.append(chain := TierChain(HostTier(2 * NB, NB), disk, remote=RemoteTier(redis_url, FMT, timeout_s=5.0)))
+    chains.append(chain := TierChain([HostTier(2 * NB, NB), disk, RemoteTier(redis_url, FMT, timeout_s=5.0)]))
     assert chain.io is not None
     demote_all(chain, range(6))  # 4 leave host memory for disk
     chain.write_remote([(key(i), raw(i)) for i in range(6)])
     assert chain.drain_writes(WAIT_S)
-    assert len(disk) == 4 and chain.remote is not None and chain.remote.stats.puts == 6
+    assert len(disk) == 4 and chain.shared is not None and chain.shared.stats.puts == 6
     assert writers and all(name.startswith("kvgate-io-write") for name in writers), writers
     assert senders and all(name.startswith("kvgate-io-send") for name in senders), senders
     here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

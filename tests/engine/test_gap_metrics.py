@@ -67,7 +67,7 @@ def test_gap_metrics_follow_a_workload_served_from_host_then_disk(tiny_model_dir
         assert run(core, "from-host", a)[1] == BLOCKS * 4
         flood(core, 22)
         assert core.chain.flush([], timeout_s=30) >= BLOCKS
-        core.chain.host.clear()
+        core.chain.memory.clear()
         assert run(core, "from-disk", a)[1] == BLOCKS * 4
         requests = 7
         stats = core.stats()

@@ -34,7 +34,7 @@ def test_blocks_survive_an_engine_that_is_never_closed(tiny_model_dir: Path, tmp
     settle(first)
     chain = first.chain.snapshot()["chain"]
     assert chain["persisted_behind"] >= 60 and chain["dropped_writes"] == 0
-    assert first.chain.disk.stats.corrupt == 0
+    assert first.chain.store.stats.corrupt == 0
     # no close(): nothing is flushed, as after a kill -9; the I/O thread is a daemon
     second = make_engine(tiny_model_dir, disk_cache_path=folder, disk_persist="behind")
     try:
@@ -43,7 +43,7 @@ def test_blocks_survive_an_engine_that_is_never_closed(tiny_model_dir: Path, tmp
             warm, cached = run(second, name, ids)
             assert warm == cold
             assert cached == 120
-        assert second.chain.disk.stats.hits >= 60
+        assert second.chain.store.stats.hits >= 60
     finally:
         second.close()
         first.chain.close()
@@ -55,7 +55,7 @@ def test_on_evict_leaves_device_and_host_blocks_unwritten_until_close(tiny_model
     try:
         run(core, "a", prompt(1))
         core.poll_loads()
-        assert core.chain.pending_writes == 0 and len(core.chain.disk) == 0
+        assert core.chain.pending_writes == 0 and len(core.chain.store) == 0
         assert core.chain.snapshot()["chain"]["persist"] == "on_evict"
     finally:
         core.close()
@@ -66,23 +66,23 @@ def test_a_prefix_whose_disk_writes_are_in_flight_is_served_whole(tiny_model_dir
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Within one life: a prefix pushed out of host while the disk's writes are stalled is found
     (recalled from the writes' buffers), not recomputed from its first missing block on."""
-    import engine.core
+    import cache.tiers.factory
     from tests.cache.test_chain_no_loss import SlowDisk
 
-    monkeypatch.setattr(engine.core, "DiskTier", SlowDisk)
+    monkeypatch.setattr(cache.tiers.factory, "DiskTier", SlowDisk)
     core = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv"), share_host_slab=False,
                        host_cache_mb=1)
     try:
-        core.chain.disk.gate.clear()  # every disk write waits
+        core.chain.store.gate.clear()  # every disk write waits
         a = prompt(1)
         cold, _ = run(core, "a", a)
         for seed in range(1, 8):  # 700 blocks through a 64-block pool and a 512-block host
             flood(core, seed)  # a's blocks left the device, then host: only the stalled writes hold them
-        assert core.chain.pending_writes > 0 and len(core.chain.disk) == 0
+        assert core.chain.pending_writes > 0 and len(core.chain.store) == 0
         warm, cached = run(core, "a2", a)
         assert warm == cold
         assert cached == 120
         assert core.chain.stats.recalled_blocks >= 1 and core.chain.stats.dropped_writes == 0
     finally:
-        core.chain.disk.gate.set()
+        core.chain.store.gate.set()
         core.close()

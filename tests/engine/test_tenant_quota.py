@@ -53,7 +53,7 @@ def flood(model_dir: Path, quota: dict[str, int]) -> tuple[list[int], EngineCore
 def test_quotas_keep_the_quiet_tenants_prefix(tiny_model_dir: Path) -> None:
     hits, core = flood(tiny_model_dir, QUOTA)
     assert hits == [HOT] * ROUNDS
-    pool, host = core.manager.pool.ledger, core.chain.host.ledger
+    pool, host = core.manager.pool.ledger, core.chain.memory.ledger
     assert pool.count("noisy") <= QUOTA["device"] and host.count("noisy") <= QUOTA["host"]
     assert pool.own_evictions > 0 and host.own_evictions > 0
     tiers = core.stats()["tiers"]

@@ -79,9 +79,9 @@ def test_disk(tiny_model_dir: Path, tmp_path: Path) -> None:
     def to_disk(core: EngineCore) -> None:
         off_device(core, b"flood")
         assert core.chain.flush([], timeout_s=30) >= 64
-        core.chain.host.clear()
+        core.chain.memory.clear()
         # the tiny model recomputes faster than any disk loads: make loading the measured choice
-        core.chain.disk.rate.bytes_per_s, core.chain.disk.rate.latency_s = 1e12, 0.0
+        core.chain.store.rate.bytes_per_s, core.chain.store.rate.latency_s = 1e12, 0.0
 
     _paired(tiny_model_dir, tmp_path, "disk", place=to_disk)
 
@@ -137,11 +137,11 @@ def test_no_key_in_any_tier_names_or_matches_another_namespace(tiny_model_dir: P
         run(core, "a", a, SALT_A)
         core.chain.flush([(h, (lambda b=b: core.storage.read_block(b.block_id)))
                           for h, b in core.manager.pool.cached_blocks()], timeout_s=30)
-        files_a = {p.name for p in core.chain.disk.dir.iterdir()}
+        files_a = {p.name for p in core.chain.store.dir.iterdir()}
         run(core, "b", a, salt)
         core.chain.flush([(h, (lambda b=b: core.storage.read_block(b.block_id)))
                           for h, b in core.manager.pool.cached_blocks()], timeout_s=30)
-        files_b = {p.name for p in core.chain.disk.dir.iterdir()} - files_a
+        files_b = {p.name for p in core.chain.store.dir.iterdir()} - files_a
         assert len(files_a) >= 64 and len(files_b) >= 64
         assert not any(SALT_A.hex() in name or b"tenant".hex() in name for name in files_a | files_b)
     finally:

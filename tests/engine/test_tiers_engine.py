@@ -67,7 +67,7 @@ def on_device(core: EngineCore, ids: list[int]) -> bool:
 def test_an_evicted_prefix_comes_back_from_host(tiny_model_dir: Path, share: bool) -> None:
     core = make_engine(tiny_model_dir, share_host_slab=share)
     try:
-        assert core.chain.host.shared == share
+        assert core.chain.memory.shared == share
         a = prompt(1)
         cold, cached = run(core, "a1", a)
         assert cached == 0
@@ -98,18 +98,18 @@ def test_a_shared_host_tier_detached_and_attached_again_reuses_its_rows(tiny_mod
         cold_a, _ = run(core, "a1", a)
         cold_b, _ = run(core, "b1", b)
         flood(core, 11)  # both prefixes now live in the host tier's rows
-        rows = core.chain.host.rows()
+        rows = core.chain.memory.rows()
         core.configure_tier("detach", "host")
         core.check_invariants()
         assert run(core, "a2", a) == (cold_a, 0)  # gone with the tier: recomputed, same tokens
         core.configure_tier("attach", "host")
-        assert core.chain.host.shared and core.chain.host.rows() == rows and len(core.chain.host) == 0
+        assert core.chain.memory.shared and core.chain.memory.rows() == rows and len(core.chain.memory) == 0
         flood(core, 12)
         assert run(core, "a3", a) == (cold_a, 120)  # demoted into the reattached tier's rows, back again
         assert run(core, "b2", b)[0] == cold_b
         core.configure_tier("detach", "host")
         core.configure_tier("attach", "host", {"capacity_mb": 2})  # more rows than the tensor spares
-        assert not core.chain.host.shared
+        assert not core.chain.memory.shared
         flood(core, 13)
         assert run(core, "a4", a) == (cold_a, 120)
         core.check_invariants()
@@ -125,7 +125,7 @@ def test_with_host_flushed_the_prefix_comes_back_from_disk_without_blocking_othe
         cold, _ = run(core, "a1", a)
         flood(core, 2)
         assert core.chain.flush([], timeout_s=30) >= 30  # host → disk
-        core.chain.host.clear()
+        core.chain.memory.clear()
         warm, cached = run(core, "a2", a)
         assert warm == cold and cached == 120
         stats = core.stats()["tiers"]
@@ -144,7 +144,7 @@ def test_a_restart_with_the_same_disk_folder_serves_from_disk(tiny_model_dir: Pa
         first.close()  # flushes the device and host blocks to disk
     second = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv"))
     try:
-        assert second.chain.disk.rebuilt >= 30
+        assert second.chain.store.rebuilt >= 30
         warm, cached = run(second, "a2", a)
         assert warm == cold and cached == 120
         assert second.stats()["tiers"]["disk"]["hits"] >= 30

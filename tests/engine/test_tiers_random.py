@@ -48,11 +48,11 @@ def _run(core: EngineCore, rid: str, ids: list[int], abort_after: int | None = N
 def _check(core: EngineCore) -> None:
     core.check_invariants()  # the manager's, the host tier's, and one owner per storage row
     chain = core.chain
-    if chain.host is not None:
-        assert len(chain.host) <= chain.host.capacity_blocks
-    if chain.disk is not None:
+    if chain.memory is not None:
+        assert len(chain.memory) <= chain.memory.capacity_blocks
+    if chain.store is not None:
         chain.drain_writes(10)
-        chain.disk.check_invariants()
+        chain.store.check_invariants()
     assert core.manager.num_blocks_in_use == 0 and not core.is_loading()
 
 
@@ -83,7 +83,7 @@ def test_random_workload_keeps_the_chain_consistent_and_outputs_exact(tiny_model
                 _run(core, f"f{n}", [random.Random(n * 31 + extra).randrange(3, 1000) for _ in range(150)])
             elif op == "flush_host":
                 core.chain.flush([], timeout_s=10)
-                core.chain.host.clear()
+                core.chain.memory.clear()
             elif op == "restart":
                 core.close()
                 core = _engine(tiny_model_dir, disk, share_host_slab=share)

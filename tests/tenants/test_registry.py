@@ -97,7 +97,7 @@ def test_conflicts_are_rejected(specs: list[TenantSpec], message: str) -> None:
     ({"name": ANONYMOUS, "api_keys": ("k",)}, "invalid"),
     ({"name": "a", "api_keys": ()}, "no api_keys"),
     ({"name": "a", "api_keys": ("",)}, "empty api key"),
-    ({"name": "a", "api_keys": ("k",), "quota": {"gpu": 1}}, "unknown quota tier"),
+    ({"name": "a", "api_keys": ("k",), "quota": {"g p u": 1}}, "quota tier name"),
     ({"name": "a", "api_keys": ("k",), "quota": {"device": -1}}, ">= 0"),
 ])
 def test_bad_specs(kwargs: dict, message: str) -> None:
