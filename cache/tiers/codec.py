@@ -8,11 +8,10 @@ A block is only ever handed back if every field matches what the reader expects:
 Anything else — truncated, corrupt, another model's, another layout's — is `CorruptBlockError`,
 and the tier that held it deletes it and counts a miss.
 
-Version 2 checks the payload with XXH3-64 (``xxhash``) instead of version 1's CRC-32: zlib's
-CRC-32 ran at ~2.5 GB/s on one core, slower than reading the same block from the page cache
-(~12 GB/s), so checking capped a disk load below a third of the disk's rate; XXH3 runs at tens
-of GB/s and catches the same truncations, garbage and flipped bits. Version-1 records are
-foreign to a version-2 reader: a miss, deleted (they are a cache).
+Version 2 checks the payload with XXH3-64 (``xxhash``) instead of version 1's CRC-32, which was
+slower than reading the block from the page cache and so capped a disk load (docs/tiers.md,
+"Figures behind the code"); XXH3 catches the same truncations, garbage and flipped bits.
+Version-1 records are foreign to a version-2 reader: a miss, deleted (they are a cache).
 """
 
 from __future__ import annotations

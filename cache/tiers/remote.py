@@ -37,9 +37,9 @@ from cache.tiers.stats import RateEstimate, TierStats
 
 logger = logging.getLogger(__name__)
 
-# Writes go out in pipelines of about this many bytes. One pipeline's encoding and redis-py's
-# copies run on the I/O loop without a break (~2 ms per 720 KiB block here); a whole prompt's
-# write-through in one pipeline (128 blocks) held every lookup and load behind it for ~200 ms.
+# Writes go out in pipelines of about this many bytes: one pipeline's encoding and copies run on
+# the I/O loop without a break, so a whole prompt's write-through in one pipeline would hold
+# every lookup and load behind it (docs/tiers.md, "Figures behind the code").
 WRITE_PIPELINE_BYTES = 4 << 20
 
 

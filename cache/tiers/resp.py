@@ -8,8 +8,8 @@ every byte before the tier sees it, all on the I/O thread (docs/tiers.md has the
 module speaks just enough RESP2 for the two paths (``AUTH``, ``SELECT``, ``GET``, ``SET``): GETs over an
 ``asyncio.BufferedProtocol``: the socket is read with ``recv_into`` into the value's own buffer,
 so each byte is copied once, by the kernel. Writes had the same cost the other way: the codec
-joined header and payload (two copies) and redis-py joined the pipeline's pieces (a third), ~55 ms
-of the I/O thread's CPU per 128-block write-through, taken from the step loop's two cores.
+joined header and payload (two copies) and redis-py joined the pipeline's pieces (a third), CPU
+taken from the step loop's cores.
 `SetPipe` sends each record's header and payload with ``sendmsg`` from where they lie. Everything
 else (existence checks, quotas, Redis Cluster, TLS) stays with redis-py.
 
@@ -35,11 +35,10 @@ _SCRATCH_BYTES = 64 * 1024  # reply lines and the first bytes of values land her
 _MAX_LINE = 64 * 1024
 _DIRECT_MIN = 4096  # a value with at least this much still to come is received in place
 # GETs go out in windows of about this many bytes of values, this many windows in flight. Redis
-# runs every command of a pipeline it has read before writing any reply, so one pipeline of 124
-# GETs of 0.7 MB values had it copy 89 MB into fresh reply buffers first (~290 us per GET,
-# page faults included) and send only then; windows of ~4 MiB keep its reply buffers small and
-# reused (~60 us per GET) and its copying overlapped with our receiving: 1.2 -> 3.3 GB/s on
-# loopback (docs/tiers.md).
+# runs every command of a pipeline it has read before writing any reply, so one long pipeline
+# has it copy every value into fresh reply buffers before sending any; small windows keep its
+# reply buffers small and reused and overlap its copying with our receiving (docs/tiers.md,
+# "Figures behind the code").
 WINDOW_BYTES = 4 << 20
 WINDOWS_IN_FLIGHT = 3
 

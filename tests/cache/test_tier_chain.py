@@ -530,7 +530,7 @@ def test_writes_run_on_background_threads_below_normal_priority(
     its sender thread, both niced by BACKGROUND_NICE (they must not take CPU from the step loop)."""
     import os
 
-    from cache.tiers import chain as chain_module
+    from cache.tiers import ioloop as chain_module
     from cache.tiers import resp
 
     writers: set[str] = set()

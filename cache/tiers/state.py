@@ -1,0 +1,123 @@
+"""The state a `TierChain` keeps, and the lookups every part of it shares: which tiers are
+attached (by role: cache.tiers.base) and which store holds a block."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from cache.telemetry import OpTimes
+from cache.tiers.ioloop import IOLoop
+
+# How host blocks reach the disk tier: "on_evict" writes a block when it leaves host memory;
+# "behind" also writes host blocks in the background, oldest first, so a crash (SIGKILL, OOM kill,
+# power cut) loses only the blocks of the last moments, and evicting them later costs no write.
+PERSIST_MODES = ("on_evict", "behind")
+
+
+
+@dataclass(slots=True)
+class ChainStats:
+    demotions: int = 0
+    promotions: int = 0
+    prefetches: int = 0
+    prefetched_blocks: int = 0
+    prefetch_wait_s: float = 0.0
+    recompute_chosen: int = 0
+    dropped_writes: int = 0
+    flushed_blocks: int = 0
+    recalled_blocks: int = 0  # asked for while their disk write was in flight: served from its buffer
+    persisted_behind: int = 0  # host and computed device blocks written to disk by persist = "behind"
+
+
+
+@dataclass(slots=True)
+class JobTimes:
+    """How a prefetch went: issue to release, time in tier I/O, time in remote existence checks."""
+
+    issue_to_done_s: float = 0.0
+    io_s: float = 0.0
+    exists_s: float = 0.0
+    blocks: int = 0  # blocks this job's own reads delivered
+
+
+
+class ChainState:
+    """Attached tiers, writes and loads in flight, counters (`TierChain` is the whole)."""
+
+    def __init__(self, *, max_pending_writes: int = 256,
+                 read_parallel: int = min(4, os.cpu_count() or 1), persist: str = "on_evict") -> None:
+        if persist not in PERSIST_MODES:
+            raise ValueError(f"persist must be one of {', '.join(PERSIST_MODES)}, got {persist!r}")
+        self.memory: Any = None  # the `memory` tier (host slots), or None
+        self.stores: list[Any] = []  # the `store` tiers (local, indexed stores), top down
+        self.shared: Any = None  # the `shared` tier (a store other replicas reach), or None
+        self.max_pending_writes = max_pending_writes
+        self.persist = persist
+        self.stats = ChainStats()
+        # Store writes in flight, key -> the payload being written: the block stays readable from
+        # here until every store it goes to has indexed it (the I/O thread indexes, then forgets
+        # it); `_writing_to` names those stores
+        self._writing: dict[bytes, bytes | memoryview] = {}
+        self._writing_to: dict[bytes, set[str]] = {}
+        # blocks that may not be on disk yet, oldest first (persist = "behind" writes them): host
+        # blocks (None: copied from their slot) and computed device blocks ((copy, owner))
+        self._unpersisted: OrderedDict[bytes, tuple[Callable[[], bytes | None], str] | None] = OrderedDict()
+        self._retry: queue.SimpleQueue[tuple[bytes, Any]] = queue.SimpleQueue()  # torn device copies
+        self.io: IOLoop | None = None
+        self._pending_writes = 0
+        self._write_lock = threading.Lock()
+        # ("block", key, (payload | None, its Reservation | None)) and ("done", token, JobTimes),
+        # in the order they happened
+        self._events: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
+        self._inflight: set[bytes] = set()  # disk keys being read (step-loop view)
+        self._reads: dict[bytes, asyncio.Future[int]] = {}  # the same, on the I/O loop
+        self._remote_reads: dict[bytes, asyncio.Future[bool]] = {}  # remote GETs in flight (I/O loop)
+        self.read_parallel = read_parallel
+        self._read_slots = asyncio.Semaphore(read_parallel)  # disk read batches at once (I/O loop)
+        self._jobs: set[Hashable] = set()
+        self._job_started: dict[Hashable, float] = {}
+        self._staged: dict[bytes, bytes | memoryview] = {}  # loads waiting for a host slot when host is off
+        self._owners: dict[bytes, str] = {}  # whom a block being loaded is for (step-loop view)
+        self._job_keys: dict[Hashable, list[bytes]] = {}
+        self._remote_sent: OrderedDict[bytes, None] = OrderedDict()  # recently written to remote
+        # issue-to-done vs transfer time per kind of operation (gap metric 3)
+        self.ops = {"prefetch": OpTimes()}  # and per tier: <store>_read, <store>_write, <shared>_put
+        self.finished_jobs: dict[Hashable, JobTimes] = {}  # what poll() released, for the engine to take
+
+    @property
+    def tiers(self) -> list[Any]:
+        """The attached tiers, top down."""
+        return [t for t in (self.memory, *self.stores, self.shared) if t is not None]
+
+    @property
+    def store(self) -> Any:
+        """The first store tier (where a shutdown's flush is counted), or None."""
+        return self.stores[0] if self.stores else None
+
+    def _stored(self, key: bytes) -> bool:
+        """Whether a store tier holds ``key`` (an exact index lookup, no I/O)."""
+        return any(key in store for store in self.stores)
+
+    def _source(self, key: bytes) -> Any:
+        """The first store tier holding ``key``, or None."""
+        return next((store for store in self.stores if key in store), None)
+
+    def tier(self, name: str) -> Any:
+        """The attached tier called ``name``, or None."""
+        return next((t for t in self.tiers if t.name == name), None)
+
+    @property
+    def writes_through(self) -> bool:
+        """Whether freshly computed blocks go to the shared tier at once (vs when leaving host)."""
+        return self.shared is not None and self.shared.write_mode == "through"
+
+
+def _asdict(stats: ChainStats) -> dict[str, Any]:
+    return {name: getattr(stats, name) for name in stats.__slots__}  # type: ignore[attr-defined]
