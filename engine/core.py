@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +17,6 @@ from typing import Any
 
 import torch
 
-from cache.archetype import classify, describe
 from cache.hashing import root_hash
 from cache.kv_storage import KVStorage
 from cache.manager import KVCacheManager
@@ -26,6 +24,7 @@ from cache.quota import PUBLIC, UNKNOWN
 from cache.tiers import factory
 from cache.tiers.chain import RETRY, TierChain
 from cache.tiers.codec import BlockFormat
+from engine import snapshot
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.heap import keep_heap_memory
@@ -576,91 +575,19 @@ class EngineCore:
         return SeqOutput(seq.request_id, seq.index, token_id, logprob, reason, max(seq.num_cached_tokens, 0))
 
     # ---- accounting -------------------------------------------------------------------------
-    def archetype(self, tiers: dict[str, Any]) -> dict[str, Any]:
-        """The KV-cache archetype of the hierarchy as it runs now (see cache.archetype)."""
-        view = describe(self.storage.device.type, self.config.enable_prefix_caching, tiers,
-                        capacity_bytes={"device": self.storage.nbytes, **{
-                            name: entry["capacity_blocks"] * self.storage.block_nbytes
-                            for name, entry in tiers.items() if name != "chain" and entry.get("capacity_blocks")}})
-        return classify(view).to_dict()
+    @property
+    def num_loading(self) -> int:
+        """Requests waiting for blocks from a lower tier."""
+        return len(self._loading)
 
-    def gaps(self) -> dict[str, Any]:
-        """The survey's unmeasured quantities, live (docs/metrics.md says what each one means);
-        the seventh, public traces, is recorded by the API process and added there."""
-        chain = self.chain.telemetry() if self.chain is not None else {}
-        tel = self.telemetry
-        pc = self.manager.stats
-        remote = self.chain.shared if self.chain is not None else None
-        meta_bytes = sum(chain.get("metadata_bytes", {}).values())
-        data_bytes = sum(chain.get("data_bytes", {}).values())
-        return {
-            "remote_access": chain.get("remote_access", {"attached": False}),
-            "metadata": {
-                "per_request_s": tel.metadata_s.snapshot(), "share_of_ttft": tel.metadata_share.snapshot(),
-                "hash_time_s": self.counters.hash_time_s, "lookup_time_s": pc.lookup_time_s,
-                "lookups": pc.lookups, "remote_exists_time_s": remote.exists_time_s if remote is not None else 0.0,
-                "remote_exists_checks": remote.exists_checks if remote is not None else 0,
-                "metadata_bytes": meta_bytes, "data_bytes": data_bytes,
-                "bytes_ratio": meta_bytes / data_bytes if data_bytes else None,
-                "by_tier": {name: {"metadata_bytes": n, "data_bytes": chain["data_bytes"][name]}
-                            for name, n in chain.get("metadata_bytes", {}).items()}},
-            "completion_overhead": chain.get("ops", {}),
-            "block_life": {"device": self.manager.pool.life.snapshot(), **chain.get("life", {})},
-            "prefetch_slack": {"slack_s": tel.slack_s.snapshot(), "tier_load_s": tel.tier_load_s.snapshot(),
-                               "loads": tel.loads, "loads_within_slack": tel.loads_within_slack},
-            "ttft_attribution": tel.attribution(),
-        }
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        return self._prefill_tps
 
-    def stats(self) -> dict[str, object]:
-        """A snapshot of queue, pool and cache state plus the counters, as plain values."""
-        pool = self.manager.pool
-        pc = self.manager.stats
-        c = self.counters
-        tiers = self.chain.snapshot() if self.chain is not None else {}
-        return {
-            "num_waiting": len(self.scheduler.waiting),
-            "num_running": len(self.scheduler.running),
-            "num_requests": len(self._requests),
-            "num_blocks": pool.num_blocks,
-            "num_free_blocks": pool.num_free_blocks,
-            "blocks_in_use": self.manager.num_blocks_in_use,
-            "cached_blocks": pool.num_cached_blocks,
-            "block_size": self.block_size,
-            "block_bytes": self.storage.block_nbytes,
-            "kv_pool_bytes": self.storage.nbytes,
-            "prefix_cache": {
-                "lookups": pc.lookups, "query_tokens": pc.query_tokens, "hit_tokens": pc.hit_tokens,
-                "lookup_time_s": pc.lookup_time_s, "evictions": pool.stats.evictions,
-                "block_hits": pool.stats.cache_hits, "allocations": pool.stats.allocations,
-                "quota": pool.ledger.snapshot(),
-            },
-            "preemptions": self.scheduler.num_preemptions,
-            "preemptions_by_reason": dict(self.scheduler.preemptions_by_reason),
-            "tenant_usage": self.scheduler.tenant_stats(),
-            "requests_added": c.requests_added,
-            "requests_finished": c.requests_finished,
-            "requests_aborted": c.requests_aborted,
-            "prompt_tokens": c.prompt_tokens,
-            "cached_prompt_tokens": c.cached_prompt_tokens,
-            "computed_tokens": c.computed_tokens,
-            "reused_tokens": c.reused_tokens,
-            "generated_tokens": c.generated_tokens,
-            "steps": c.steps,
-            "step_time_s": c.step_time_s,
-            "forward_time_s": c.forward_time_s,
-            "sample_time_s": c.sample_time_s,
-            "hash_time_s": c.hash_time_s,
-            "num_loading": len(self._loading),
-            "promoted_blocks": pc.promoted_blocks,
-            "prefill_tokens_per_s": self._prefill_tps,
-            "tiers": tiers,
-            "tier_kinds": list(factory.KINDS),  # what POST /admin/tiers can attach
-            "archetype": self.archetype(tiers),
-            "timing": self.telemetry.snapshot(),
-            "gaps": self.gaps(),
-            "engine_pid": os.getpid(),
-            "engine_threads": {"owner": self.owner_thread, "step": self.step_thread},
-        }
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of queue, pool and cache state plus the counters, as plain values
+        (the schema: `engine.snapshot.EngineSnapshot`, docs/metrics.md)."""
+        return snapshot.take(self).to_dict()
 
 
 def _summary(tier: Any) -> str:

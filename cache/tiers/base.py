@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from cache.telemetry import BlockLife
@@ -126,3 +126,41 @@ class SharedTier(Tier, Protocol):
     async def put(self, items: Sequence[tuple[bytes, bytes]], owner: str = ...) -> int: ...
 
     async def close(self) -> None: ...
+
+
+def _doc(text: str, default: Any = None) -> Any:
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass(frozen=True, slots=True)
+class TierSnapshot:
+    """One attached tier in `TierChain.snapshot()`; serialised flat (`to_dict`): the counters and
+    what the tier describes of itself sit beside the other fields."""
+
+    counters: dict[str, Any] = _doc("every `TierStats` counter, flat: hits, misses, puts, evictions, "
+                                    "bytes_read, bytes_written, reads, writes, read_time_s, write_time_s, "
+                                    "errors, corrupt, dropped, metadata_bytes, handovers, timeouts, lost")
+    blocks: int = _doc("blocks the tier holds (0 where it cannot know without a scan)", 0)
+    capacity_blocks: int = _doc("blocks it can hold (0: bounded outside KVGate, e.g. Redis memory and TTL)", 0)
+    bytes: int = _doc("bytes it holds", 0)
+    policy: str = _doc("its eviction policy (lru, s3fifo, ttl, ...)", "")
+    load_bytes_per_s: float = _doc("load-rate estimate: bytes per second", 0.0)
+    load_latency_s: float = _doc("load-rate estimate: seconds per operation", 0.0)
+    load_samples: int = _doc("loads observed", 0)
+    load_sample_age_s: float | None = _doc("seconds since the last load observed", None)
+    traits: dict[str, Any] = _doc("what it declares: locality, lifetime, substrate, shared, role", None)
+    detail: dict[str, Any] = _doc("what `describe()` adds, flat: e.g. path, healthy, url, breaker, write, quota", None)
+
+    @classmethod
+    def of(cls, tier: Tier) -> TierSnapshot:
+        detail = tier.describe()  # first: a tier may recover (a disk folder) while it looks
+        return cls(counters=tier.stats.snapshot(), blocks=len(tier), capacity_blocks=tier.capacity_blocks,
+                   bytes=tier.nbytes, policy=tier.policy_name, load_bytes_per_s=tier.rate.bytes_per_s,
+                   load_latency_s=tier.rate.latency_s, load_samples=tier.rate.samples,
+                   load_sample_age_s=tier.rate.age_s(), traits=tier.traits.to_dict(), detail=detail)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {**self.counters}
+        out.update({f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("counters", "detail")})
+        out.update(self.detail or {})
+        return out

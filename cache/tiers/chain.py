@@ -28,7 +28,7 @@ import torch
 
 from cache.quota import UNKNOWN
 from cache.telemetry import OpTimes
-from cache.tiers.base import SharedTier, Tier
+from cache.tiers.base import SharedTier, Tier, TierSnapshot
 from cache.tiers.ioloop import IOLoop
 from cache.tiers.loads import LoadPath, Reservation
 from cache.tiers.state import PERSIST_MODES, ChainStats, _asdict
@@ -153,10 +153,5 @@ class TierChain(LoadPath):
                                          "inflight_reads": len(self._inflight), "persist": self.persist,
                                          "unpersisted_blocks": len(self._unpersisted)}}
         for tier in self.tiers:
-            detail = tier.describe()  # first: a tier may recover (a disk folder) while it looks
-            out[tier.name] = {**tier.stats.snapshot(), "blocks": len(tier), "capacity_blocks": tier.capacity_blocks,
-                              "bytes": tier.nbytes, "policy": tier.policy_name,
-                              "load_bytes_per_s": tier.rate.bytes_per_s, "load_latency_s": tier.rate.latency_s,
-                              "load_samples": tier.rate.samples, "load_sample_age_s": tier.rate.age_s(),
-                              "traits": tier.traits.to_dict(), **detail}
+            out[tier.name] = TierSnapshot.of(tier).to_dict()
         return out
