@@ -20,12 +20,86 @@ if os.environ.get("CI"):
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes more than a few seconds (still runs by default)")
+    # Cost markers (docs/testing.md), one per test, set by pytest_collection_modifyitems below:
+    # `pytest -m "unit or engine"` is the fast set.
+    for name, meaning in COST_MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {meaning}")
     # Every engine of the run (servers with private cache folders included) loads the native CPU
     # kernels from one build, made here once instead of inside a server's start-up timeout.
     from engine import kernels
 
     os.environ.setdefault("KVGATE_KERNEL_DIR", str(kernels.build_dir().parent))
     kernels.load()
+
+
+COST_MARKERS = {
+    "unit": "no model and no other process: pure Python, fast",
+    "engine": "loads the tiny model in this process (tests/engine, tiny_model_dir, tiny_loaded, start_app)",
+    "server": "starts another process: `kvgate serve` (server, tenant_server, start_server), the kvgate CLI, "
+              "a Python interpreter or a Redis cluster",
+    "e2e": "whole deployments: tests/deploy, tests/loadtest, the dashboard in Chromium",
+}
+_E2E_PATHS = ("tests/deploy/", "tests/loadtest/", "tests/app/test_dashboard.py")
+_SERVER_FIXTURES = {"start_server", "server", "tenant_server"}
+_ENGINE_FIXTURES = {"tiny_model_dir", "tiny_loaded", "start_app"}
+
+
+def _starts_a_process(functions: list) -> bool:
+    """True when one of `functions`, or a helper of a `tests` module one of them calls, names
+    `subprocess` (a nested function or lambda counts as part of its function)."""
+    import types
+
+    seen: set = set()
+    stack = [f.__code__ for f in functions if hasattr(f, "__code__")]
+    globals_of = {f.__code__: f.__globals__ for f in functions if hasattr(f, "__code__")}
+    while stack:
+        code = stack.pop()
+        if code in seen:
+            continue
+        seen.add(code)
+        if "subprocess" in code.co_names:
+            return True
+        scope = globals_of.get(code, {})
+        for name in code.co_names:
+            helper = scope.get(name)
+            if isinstance(helper, types.FunctionType) and helper.__module__.startswith("tests."):
+                globals_of.setdefault(helper.__code__, helper.__globals__)
+                stack.append(helper.__code__)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                globals_of.setdefault(const, scope)
+                stack.append(const)
+    return False
+
+
+def _cost(item: pytest.Item, root: Path) -> str:
+    try:
+        path = Path(item.path).resolve().relative_to(root).as_posix()
+    except ValueError:  # a test file outside the repository
+        path = Path(item.path).as_posix()
+    if path.startswith(_E2E_PATHS):
+        return "e2e"
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if fixtures & _SERVER_FIXTURES:
+        return "server"
+    # the test, and the fixtures of its own module, with the helpers they call
+    functions = [getattr(item, "function", None)]
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    module = getattr(getattr(item, "module", None), "__name__", None)
+    functions += [d[-1].func for d in defs.values() if d and getattr(d[-1].func, "__module__", None) == module]
+    if _starts_a_process([f for f in functions if f is not None]):
+        return "server"
+    if path.startswith("tests/engine/") or fixtures & _ENGINE_FIXTURES:
+        return "engine"
+    return "unit"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give every test one cost marker (docs/testing.md); a marker set in the test file wins."""
+    root = Path(__file__).resolve().parents[1]
+    for item in items:
+        if not any(item.get_closest_marker(name) for name in COST_MARKERS):
+            item.add_marker(_cost(item, root))
 
 
 @pytest.fixture(scope="session")

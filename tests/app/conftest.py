@@ -1,8 +1,12 @@
-"""Real `kvgate serve` processes on free ports, serving the tiny model.
+"""Real `kvgate serve` processes on free ports, serving the tiny model, and in-process servers.
 
 `server` (one per session) is the anonymous, default-configured server; `tenant_server` (one per
 session) runs from a TOML file with tenants, an admin key, a small queue and a small body limit.
 Both share one `KVGATE_CACHE_DIR`, so the tiny model is built once.
+
+`start_app` serves `app.main.create_app` over real HTTP from a thread of the test process, with
+the engine on a thread too (no `kvgate serve`, no engine process): for tests of HTTP behaviour
+that need no signals, crashes, replicas, CLI or engine-process boundary (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -169,6 +174,91 @@ def server(start_server) -> ServerProcess:
 def tenant_server(start_server) -> ServerProcess:
     """Server from a TOML file: three tenants (two share a group), admin key, queue of 1."""
     return start_server(config=TENANT_CONFIG)
+
+
+class AppServer:
+    """`create_app` with a thread engine, served by uvicorn on a thread of this process.
+
+    Takes the `kvgate serve` flags the tests use (--config, --model, --disk-cache,
+    --remote-cache) and turns them into settings overrides as `kvgate serve` does; POST
+    /admin/reload re-reads the same file. `url` and `stop()` as `ServerProcess`.
+    """
+
+    def __init__(self, argv: list[str]) -> None:
+        import uvicorn
+
+        from app.cli import build_parser
+        from app.main import create_app
+        from app.settings import load_settings
+        from engine.async_engine import AsyncEngine
+
+        args = build_parser().parse_args(["serve", *argv])
+        overrides: dict[str, object] = {"model.path": args.model, "cache.host.capacity_mb": args.host_cache_mb}
+        if args.disk_cache == "off":
+            overrides["cache.disk.capacity_mb"] = 0
+        elif args.disk_cache is not None:
+            overrides["cache.disk.path"] = args.disk_cache
+        if args.remote_cache is not None:
+            overrides["cache.remote.url"] = "" if args.remote_cache == "off" else args.remote_cache
+        settings = load_settings(args.config, overrides)
+        engine = AsyncEngine.from_config(settings.engine_config(), process=False)
+        self.app = create_app(settings, engine=engine, reload=lambda: load_settings(args.config, overrides))
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._listener]},
+                                        name="kvgate-test-app", daemon=True)
+        self._thread.start()
+
+    def wait_until(self, path: str = "/ready", timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the in-process server stopped before {path} answered 200")
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"the in-process server was not ready after {timeout_s}s")
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """uvicorn's shutdown: the lifespan's end stops the engine."""
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+        self._listener.close()
+        assert not self._thread.is_alive(), "the in-process server did not stop"
+
+
+@pytest.fixture(scope="module")
+def start_app(kvgate_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[Callable[..., AppServer]]:
+    """Factory: an in-process server (flags and optional config text as `start_server`), ready.
+
+    Module-scoped: every server it started is stopped when the module's tests are done."""
+    started: list[AppServer] = []
+
+    def start(*args: str, config: str | None = None) -> AppServer:
+        folder = tmp_path_factory.mktemp("app")
+        argv = list(args)
+        if config is not None:
+            (folder / "kvgate.toml").write_text(config)
+            argv = ["--config", str(folder / "kvgate.toml"), *argv]
+        if "--disk-cache" not in argv:  # a disk tier per server: no test sees another's blocks
+            argv = [*argv, "--disk-cache", str(folder / "kv")]
+        server = AppServer(argv)
+        started.append(server)
+        server.wait_until()
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
 
 
 @pytest.fixture()

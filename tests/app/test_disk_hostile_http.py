@@ -89,9 +89,9 @@ def test_named_pipes_in_place_of_block_files_hang_nothing(start_server, tmp_path
                 pass
 
 
-def test_links_in_place_of_block_files_are_not_followed(start_server, tmp_path: Path) -> None:
+def test_links_in_place_of_block_files_are_not_followed(start_app, tmp_path: Path) -> None:
     folder = tmp_path / "kv"
-    server = start_server("--disk-cache", str(folder), config=NO_HOST)
+    server = start_app("--disk-cache", str(folder), config=NO_HOST)
     prompt, cold, files = _on_disk(server.url, folder, seed=2)
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -111,9 +111,9 @@ def test_links_in_place_of_block_files_are_not_followed(start_server, tmp_path: 
     assert len(list(outside.iterdir())) == len(files) - 1  # their targets were not
 
 
-def test_a_vanished_folder_is_recreated_or_reported_until_it_is_back(start_server, tmp_path: Path) -> None:
+def test_a_vanished_folder_is_recreated_or_reported_until_it_is_back(start_app, tmp_path: Path) -> None:
     folder = tmp_path / "kv"
-    server = start_server("--disk-cache", str(folder), config=NO_HOST)
+    server = start_app("--disk-cache", str(folder), config=NO_HOST)
     url = server.url
     prompt, cold, files = _on_disk(url, folder, seed=3)
     blocks = files[0].parent
@@ -142,10 +142,10 @@ def test_a_vanished_folder_is_recreated_or_reported_until_it_is_back(start_serve
 
 
 @pytest.fixture(scope="module")
-def attach_server(start_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def attach_server(start_app, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A server without a disk tier whose `[cache.disk] allowed_root` is a folder of its own."""
     root = tmp_path_factory.mktemp("allowed")
-    server = start_server("--disk-cache", "off", config=NO_HOST + f'allowed_root = "{root}"\n')
+    server = start_app("--disk-cache", "off", config=NO_HOST + f'allowed_root = "{root}"\n')
     yield server.url, root
 
 

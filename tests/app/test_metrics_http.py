@@ -59,8 +59,8 @@ def _value(families: dict, metric: str, **labels: str) -> float:
     raise AssertionError(f"no sample {metric}{labels}")
 
 
-def test_metrics_follow_a_known_workload_in_json_and_prometheus(start_server, redis_url: str) -> None:
-    server = start_server(config=_config(redis_url))
+def test_metrics_follow_a_known_workload_in_json_and_prometheus(start_app, redis_url: str) -> None:
+    server = start_app(config=_config(redis_url))
     with httpx.Client(base_url=server.url, timeout=60) as client:
         prompt = _ids(1, 500)
         assert _complete(client, prompt) == 0

@@ -37,8 +37,8 @@ system = "{SYSTEM}"
 
 
 @pytest.fixture(scope="module")
-def client(start_server):
-    server = start_server(config=CONFIG)
+def client(start_app):
+    server = start_app(config=CONFIG)
     with httpx.Client(base_url=server.url, timeout=60) as client:
         yield client
 

@@ -50,8 +50,8 @@ def complete(client: httpx.Client, headers: dict, prompt: list[int]) -> int:
     return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_quotas_hold_over_http(start_server) -> None:
-    server = start_server("--disk-cache", "off", config=CONFIG)
+def test_quotas_hold_over_http(start_app) -> None:
+    server = start_app("--disk-cache", "off", config=CONFIG)
     try:
         with httpx.Client(base_url=server.url, timeout=60) as client:
             hot = ids(1, 160)

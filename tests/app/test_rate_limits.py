@@ -43,10 +43,10 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "ma
 
 
 @pytest.fixture(scope="module")
-def served(start_server, tmp_path_factory):
+def served(start_app, tmp_path_factory):
     config = tmp_path_factory.mktemp("limits") / "kvgate.toml"
     config.write_text(CONFIG.format(rps=0.01))
-    server = start_server("--config", str(config))
+    server = start_app("--config", str(config))
     try:
         with httpx.Client(base_url=server.url, timeout=60) as client:
             yield client, config

@@ -90,3 +90,16 @@ def test_contract_lists_planned_features_in_one_place() -> None:
     for built in ("GET /metrics", "GET /admin/archetype", "GET /admin/trace", "kvgate trace replay", "Dockerfile",
                   "GET /admin`"):  # once built, described above and gone from Planned
         assert built in planned[0] and built not in planned[1], built
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """`.ci/run` runs every step of the README's test command, in order and ending with pytest
+    (it may add steps, such as ruff and mypy before pytest; docs/testing.md)."""
+    text = (ROOT / "README.md").read_text()
+    setup = text.split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    readme = [code for lang, _, code in _BLOCK.findall(setup) if lang == "bash"][1].strip()
+    ci = next(line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("python3 -m venv"))
+    readme_steps, ci_steps = [s.strip() for s in readme.split("&&")], [s.strip() for s in ci.split("&&")]
+    remaining = iter(ci_steps)
+    assert all(step in remaining for step in readme_steps), (readme, ci)  # a subsequence, in order
+    assert ci_steps[-1] == readme_steps[-1] and "pytest" in ci_steps[-1]

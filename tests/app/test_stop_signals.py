@@ -27,8 +27,8 @@ def _engine_pid(url: str) -> int:
 @pytest.mark.parametrize(("target", "sig"), [("api", signal.SIGTERM), ("engine", signal.SIGTERM),
                                              ("group", signal.SIGTERM), ("group", signal.SIGINT),
                                              ("engine", signal.SIGINT)])
-def test_a_stop_signal_to_any_part_flushes_and_a_restart_serves_from_disk(start_server, tmp_path, target,
-                                                                          sig) -> None:
+def test_a_stop_signal_to_any_part_flushes_and_a_restart_serves_from_disk(start_server, start_app, tmp_path,
+                                                                          target, sig) -> None:
     folder = str(tmp_path / "kv")
     prompt = _ids(40 + sig, 300)  # 18 full blocks
     # on_evict: the blocks reach the disk only by the flush (behind would have written them already)
@@ -51,7 +51,7 @@ def test_a_stop_signal_to_any_part_flushes_and_a_restart_serves_from_disk(start_
         assert f"engine process got {signal.Signals(sig).name}" in log, log
     assert not os.path.exists(f"/proc/{engine_pid}") or _is_zombie(engine_pid)
 
-    second = start_server("--model", "tiny", "--disk-cache", folder)
+    second = start_app("--model", "tiny", "--disk-cache", folder)  # the restart: what the folder holds
     warm, cached = _complete(second.url, prompt)
     assert warm == cold
     assert cached == 288

@@ -40,8 +40,8 @@ def _tiers(url: str) -> dict:
     return httpx.get(url + "/admin/metrics", timeout=30).json()["tiers"]
 
 
-def test_a_prefix_pushed_off_the_device_is_served_from_host(start_server) -> None:
-    server = start_server("--disk-cache", "off", config=SMALL_POOL)
+def test_a_prefix_pushed_off_the_device_is_served_from_host(start_app) -> None:
+    server = start_app("--disk-cache", "off", config=SMALL_POOL)
     prompt = _ids(1, 500)  # 31 full blocks of the 48-block pool
     cold, cached = _complete(server.url, prompt)
     assert cached == 0
@@ -54,7 +54,7 @@ def test_a_prefix_pushed_off_the_device_is_served_from_host(start_server) -> Non
     assert tiers["host"]["hits"] >= 31 and "disk" not in tiers
 
 
-def test_a_prefix_survives_a_restart_on_the_disk_tier(start_server, tmp_path) -> None:
+def test_a_prefix_survives_a_restart_on_the_disk_tier(start_server, start_app, tmp_path) -> None:
     folder = str(tmp_path / "kv")
     prompt = _ids(4, 300)
     first = start_server("--model", "tiny", "--disk-cache", folder)
@@ -62,7 +62,7 @@ def test_a_prefix_survives_a_restart_on_the_disk_tier(start_server, tmp_path) ->
     assert cached == 0
     assert first.stop() == 0  # SIGTERM: the engine writes its cached blocks to disk
     assert "cache tiers flushed" in first.log()
-    second = start_server("--model", "tiny", "--disk-cache", folder)
+    second = start_app("--model", "tiny", "--disk-cache", folder)  # the restart: what the folder holds
     warm, cached = _complete(second.url, prompt)
     assert warm == cold
     assert cached == 288  # 18 full blocks of 16
@@ -70,9 +70,9 @@ def test_a_prefix_survives_a_restart_on_the_disk_tier(start_server, tmp_path) ->
     assert disk["hits"] >= 18 and disk["path"].startswith(folder)
 
 
-def test_two_servers_on_one_redis_share_a_prefix(start_server, redis_url) -> None:
+def test_two_servers_on_one_redis_share_a_prefix(start_app, redis_url) -> None:
     args = ("--model", "tiny", "--disk-cache", "off", "--remote-cache", redis_url)
-    one, two = start_server(*args), start_server(*args)
+    one, two = start_app(*args), start_app(*args)  # two engines, each with its own Redis client
     prompt = _ids(5, 300)
     cold, cached = _complete(one.url, prompt)
     assert cached == 0
@@ -88,8 +88,8 @@ def test_two_servers_on_one_redis_share_a_prefix(start_server, redis_url) -> Non
     assert "secret" not in remote["url"]
 
 
-def test_tiers_attach_and_detach_on_a_running_server(start_server, tmp_path) -> None:
-    server = start_server("--model", "tiny", "--disk-cache", "off", config=SMALL_POOL)
+def test_tiers_attach_and_detach_on_a_running_server(start_app, tmp_path) -> None:
+    server = start_app("--model", "tiny", "--disk-cache", "off", config=SMALL_POOL)
     url = server.url
     prompt = _ids(6, 500)
     cold, _ = _complete(url, prompt)
@@ -118,10 +118,10 @@ def test_tiers_attach_and_detach_on_a_running_server(start_server, tmp_path) -> 
     assert httpx.post(url + "/admin/tiers", json={"action": "attach", "tier": "host"}, timeout=30).status_code == 200
 
 
-def test_archetype_follows_the_tiers_of_a_running_server(start_server, tmp_path, redis_url) -> None:
+def test_archetype_follows_the_tiers_of_a_running_server(start_app, tmp_path, redis_url) -> None:
     """Hybrid-Tier with host below the device; Local-Paged once it is detached; Shared-Store with
     only Redis below; Hybrid-Tier (shared ownership) with host and Redis."""
-    server = start_server("--model", "tiny", "--disk-cache", "off", config=SMALL_POOL)
+    server = start_app("--model", "tiny", "--disk-cache", "off", config=SMALL_POOL)
     url = server.url
 
     def archetype() -> dict:

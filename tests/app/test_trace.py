@@ -20,7 +20,7 @@ import pytest
 from app.cli import main as cli_main
 from app.trace import TraceRing, export_lines
 from app.trace_cli import block_token_ids, blocks_mismatch, read_trace, synthesize
-from tests.app.conftest import KVGATE, ROOT, ServerProcess
+from tests.app.conftest import KVGATE, ROOT, AppServer
 
 SAMPLE = ROOT / "tests" / "data" / "mooncake_sample.jsonl"
 FIELDS = ["timestamp", "input_length", "output_length", "hash_ids"]
@@ -152,16 +152,10 @@ def test_unreachable_server_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def servers(start_server) -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    """Two fresh tiny servers (their traces hold only this module's requests), started together."""
-    first, second = (start_server("--model", "tiny", wait=None) for _ in range(2))
-    try:
-        first.wait_until()
-        second.wait_until()
-        yield first, second
-    finally:
-        first.stop()
-        second.stop()
+def servers(start_app) -> Iterator[tuple[AppServer, AppServer]]:
+    """Two fresh tiny servers (their traces hold only this module's requests), in this process:
+    the `kvgate trace` CLI reaches them over HTTP; `start_app` stops them after the module."""
+    yield start_app("--model", "tiny"), start_app("--model", "tiny")
 
 
 def _workload(url: str) -> tuple[float, int]:
