@@ -113,6 +113,8 @@ class RemoteCacheSettings(_Section):
     cluster: bool = False
     ttl_s: int = Field(default=86400, gt=0)
     write: Literal["through", "back"] = "through"
+    # how long one pipeline may take before it counts as a failure (three in a row open the breaker)
+    timeout_s: float = Field(default=0.5, gt=0)
 
     @field_validator("url")
     @classmethod
@@ -237,7 +239,7 @@ class Settings(_Section):
         if remote is None or not remote.url:
             return {}
         return {"remote_cache_url": remote.url, "remote_cluster": remote.cluster, "remote_ttl_s": remote.ttl_s,
-                "remote_write": remote.write}
+                "remote_write": remote.write, "remote_timeout_s": remote.timeout_s}
 
     def tenant_registry(self, env: Mapping[str, str] | None = None) -> TenantRegistry:
         """Hash the keys and derive the salts (loads or creates the server secret)."""

@@ -28,7 +28,6 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_queue: int = 256
     enable_prefix_caching: bool = True
-    served_model_name: str | None = None
     num_threads: int | None = None
     pack_weights: bool = True  # CPU: oneDNN pre-packed linear layers (engine.packing)
     native_kernels: bool = True  # CPU float32: the paged-attention kernel and fused ops built from engine/csrc

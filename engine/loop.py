@@ -76,7 +76,7 @@ class FailInfo:
 
 def engine_info(core: EngineCore) -> EngineInfo:
     return EngineInfo(
-        model_name=core.config.served_model_name or core.loaded.name, model_path=core.loaded.path,
+        model_name=core.loaded.name, model_path=core.loaded.path,
         fingerprint=core.fingerprint, limits=core.limits, max_num_seqs=core.config.max_num_seqs,
         pid=os.getpid(), thread_id=threading.get_ident())
 

@@ -108,10 +108,11 @@ url = "rediss://cache:6380/1"
 cluster = true
 ttl_s = 60
 write = "back"
+timeout_s = 1.5
 """)
     config = load_settings(path, env={}).engine_config()
-    assert (config.remote_cache_url, config.remote_cluster, config.remote_ttl_s, config.remote_write) == (
-        "rediss://cache:6380/1", True, 60, "back")
+    assert (config.remote_cache_url, config.remote_cluster, config.remote_ttl_s, config.remote_write,
+            config.remote_timeout_s) == ("rediss://cache:6380/1", True, 60, "back", 1.5)
     assert load_settings(env={}).engine_config().remote_cache_url is None
     off = load_settings(path, overrides={"cache.remote.url": ""}, env={})
     assert off.engine_config().remote_cache_url is None
