@@ -28,13 +28,12 @@ from cache.kv_storage import KVStorage
 
 ATTN_IMPLEMENTATION = "kvgate_paged"
 # The few-row kernel takes prefill chunks of up to this many rows (past it the chunk kernel, or
-# PyTorch's flash attention, is faster: measured 5 rows 1.0 → 0.6 ms, 16 rows 1.0 → 1.6 ms per
-# layer at 2k context against flash) and cuts contexts into splits of this many keys (a split's
-# K/V stay in L2; 128-256 measured best).
+# PyTorch's flash attention, is faster) and cuts contexts into splits of this many keys (a
+# split's K/V stay in L2). Both chosen by measurement: docs/engine.md.
 KERNEL_MAX_ROWS = 8
 KERNEL_SPLIT_TOKENS = 256
 # The chunk kernel's units hold this many tiles of query rows (each K/V tile is read once for
-# all of them): 1 and 2 measured alike, 4 slower for a 64-row chunk (3 units for 2 threads).
+# all of them); more tiles per unit leave too few units to share between threads.
 CHUNK_ROW_TILES = 2
 # It compares positions as float32: spans with longer contexts take PyTorch's path.
 CHUNK_MAX_CONTEXT = 1 << 24

@@ -17,7 +17,11 @@ compiler, CUDA, bfloat16) the same steps run as the PyTorch ops transformers' mo
 Rotary cos/sin come from the model's own rotary module (so every RoPE scaling type transformers
 knows stays right). `FastDecoder.unsupported` says why a model cannot take this path (another
 architecture, an activation other than SiLU, q/k norms); the runner then keeps transformers'
-modules. Measured: docs/engine.md. The fused q/k/v weight is one more copy of those weights.
+modules. Measured: docs/engine.md.
+
+Fusing q/k/v (and gate/up, where packing did not) concatenates their weights once; the fused
+layer then stands in for the originals in transformers' module tree too (`_Part`: a slice of its
+output), so the model holds each weight once.
 """
 
 from __future__ import annotations
@@ -37,34 +41,59 @@ from engine.packing import FusedGateUpMLP, PackedLinear
 _ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
-class _ConcatLinear(nn.Module):
-    """Several linear layers over one input as a single matmul (weights concatenated once)."""
+class _PlainLinear(nn.Module):
+    """``y = x Wᵀ + b`` on a plain weight: a fused layer where the layers fused were not packed."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, layers: list[Any], gated: bool = False) -> None:
-        """``gated``: the layers are a gated MLP's gate and up projections, in that order."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        weight = torch.cat([layer.weight for layer in layers]).detach()
-        biases: list[torch.Tensor | None] = [layer.bias for layer in layers]
-        bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else weight.new_zeros(layer.weight.shape[0])
-             for b, layer in zip(biases, layers, strict=True)])
-        if all(isinstance(layer, PackedLinear) for layer in layers):
-            packed = PackedLinear(weight, bias)
-            packed.mkl_rows = layers[0].mkl_rows  # type: ignore[assignment]
-            packed.gated = int(layers[0].weight.shape[0]) if gated else None
-            self.impl: nn.Module | None = packed
-        else:
-            self.impl = None
-            self.register_buffer("weight", weight)
-            self.register_buffer("bias", bias)
+        self.register_buffer("weight", weight)
+        self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.impl is not None:
-            return self.impl(x)
         return F.linear(x, self.weight, self.bias)
+
+
+class _Part(nn.Module):
+    """Output columns ``start:end`` of a fused layer, in place of the projection fused into it:
+    transformers' modules (a forward outside the fast decoder) still compute that projection,
+    and no second copy of its weight stays alive."""
+
+    def __init__(self, fused: nn.Module, start: int, end: int) -> None:
+        super().__init__()
+        self.fused, self.start, self.end = fused, start, end
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)[..., self.start : self.end].contiguous()
+
+
+def _fuse(parent: Any, names: tuple[str, ...], gated: bool = False) -> nn.Module:
+    """The linear layers ``parent.<names>`` (over one input) as one layer, their weights
+    concatenated once, each original replaced by a `_Part` of it. ``gated``: the layers are a
+    gated MLP's gate and up projections, in that order. Packed layers fuse into a packed layer.
+    A parent fused before (another decoder over the same model) gives its fused layer again."""
+    layers = [getattr(parent, name) for name in names]
+    if all(isinstance(layer, _Part) for layer in layers) and len({id(layer.fused) for layer in layers}) == 1:
+        return layers[0].fused
+    weights = [layer.dense_weight() if isinstance(layer, PackedLinear) else layer.weight.detach() for layer in layers]
+    biases: list[torch.Tensor | None] = [layer.bias for layer in layers]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights, strict=True)])
+    weight = torch.cat(weights)
+    del weights
+    fused: nn.Module
+    if all(isinstance(layer, PackedLinear) for layer in layers):
+        fused = PackedLinear(weight, bias, gated=int(layers[0].out_features) if gated else None)
+    else:
+        fused = _PlainLinear(weight, bias)
+    start = 0
+    for name, layer in zip(names, layers, strict=True):
+        width = int(layer.out_features)
+        setattr(parent, name, _Part(fused, start, start + width))
+        start += width
+    return fused
 
 
 @dataclass(slots=True)
@@ -107,10 +136,8 @@ class FastDecoder:
         self.native = native if usable else None
 
     def modules(self) -> list[nn.Module]:
-        """The modules this decoder made (the fused q/k/v and gate/up layers) and their children."""
-        made = [layer.qkv for layer in self.layers]
-        made += [layer.gate_up for layer in self.layers if isinstance(layer.gate_up, _ConcatLinear)]
-        return [m for module in made for m in module.modules()]
+        """The layers each decoder layer runs (the fused q/k/v and gate/up among them)."""
+        return [m for layer in self.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
 
     @staticmethod
     def unsupported(model: Any) -> str | None:
@@ -143,13 +170,13 @@ class FastDecoder:
         if isinstance(mlp, FusedGateUpMLP):
             gate_up, down = mlp.gate_up, mlp.down
         else:
-            gate_up, down = _ConcatLinear([mlp.gate_proj, mlp.up_proj], gated=True), mlp.down_proj
+            gate_up, down = _fuse(mlp, ("gate_proj", "up_proj"), gated=True), mlp.down_proj
         return _Layer(
             index=index, input_norm=layer.input_layernorm.weight,
             input_eps=float(layer.input_layernorm.variance_epsilon),
             post_norm=layer.post_attention_layernorm.weight,
             post_eps=float(layer.post_attention_layernorm.variance_epsilon),
-            qkv=_ConcatLinear([attn.q_proj, attn.k_proj, attn.v_proj]), o_proj=attn.o_proj,
+            qkv=_fuse(attn, ("q_proj", "k_proj", "v_proj")), o_proj=attn.o_proj,
             gate_up=gate_up, down=down, scaling=float(getattr(attn, "scaling", self.head_dim ** -0.5)))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -219,9 +246,8 @@ class FastDecoder:
     def _gated_act(self, gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """SiLU(gate) * up: in the panel kernel's epilogue where the layer has gated panels
         (`PackedLinear.silu_mul`), else the matmul and then the activation."""
-        impl = gate_up.impl if isinstance(gate_up, _ConcatLinear) else gate_up
-        if isinstance(impl, PackedLinear):
-            fused = impl.silu_mul(x)
+        if isinstance(gate_up, PackedLinear):
+            fused = gate_up.silu_mul(x)
             if fused is not None:
                 return fused
         return self._silu_mul(gate_up(x))

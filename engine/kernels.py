@@ -3,13 +3,10 @@
 `paged_attention` (engine/csrc/paged_attention.cpp) computes attention for rows that are few per
 sequence — decodes and short prefill chunks — straight from the paged KV pool: no gather of the
 context into a contiguous copy, each block read once per KV head for all the query heads that
-share it. Measured on a 2-core AMD EPYC (docs/benchmarks.md): a 16-sequence decode layer at 176
-tokens of context 2.2 ms → 0.18 ms (gather + SDPA vs the kernel), 5 rows over 2,053 tokens
-1.0 → 0.6 ms. `chunk_attention` (engine/csrc/chunk_attention.cpp) takes the longer prefill chunks,
-GEMM-shaped: a 64-row chunk over 2,048 keys 2.6 → 1.9 ms per layer against PyTorch's flash
-attention with its gather, a causal 2,048-token prompt 43 → 30 ms per layer.
-`fused_ops.cpp` holds the fused steps of engine.fast_decoder, `panel_gemm.cpp` the matmul of
-engine.packing's layers for 1 to a few hundred rows (docs/engine.md has the figures).
+share it. `chunk_attention` (engine/csrc/chunk_attention.cpp) takes the longer prefill chunks,
+GEMM-shaped, also without a gather. `fused_ops.cpp` holds the fused steps of
+engine.fast_decoder, `panel_gemm.cpp` the matmul of engine.packing's layers, for any number of
+rows, on the weights' only copy (docs/engine.md has the figures).
 
 The source is compiled by one call of the machine's C++ compiler (against torch's headers, no
 build system, on idle CPU time) the first time an engine starts into
@@ -348,8 +345,8 @@ def _compile(compiler: str, folder: Path, library: Path, started: Callable[[Any]
 
 def _low_priority() -> list[str]:
     """The prefix that runs a command on idle CPU time only: Linux's SCHED_IDLE (`chrt`), which a
-    process stepping a model with spinning OpenMP threads needs (`nice` alone still took ~10 % of
-    a core from it, and each parallel region waits for its slowest thread); else `nice`."""
+    process stepping a model with spinning OpenMP threads needs (`nice` alone still takes a share
+    of a core from it, and each parallel region waits for its slowest thread); else `nice`."""
     chrt, nice = shutil.which("chrt"), shutil.which("nice")
     if chrt is not None:
         return [chrt, "--idle", "0"]

@@ -1,27 +1,27 @@
-"""Pre-packed linear layers for CPU serving: oneDNN's blocked weight layout, reordered once.
+"""Pre-packed linear layers for CPU serving: each weight held once, in the layout of the kernel
+that multiplies it.
 
 `torch.nn.functional.linear` on CPU runs MKL's sgemm, which re-blocks the weight on every call;
-for the few-row matmuls of a decode step that overhead dominates. oneDNN can reorder a weight
-once into its own blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's
-CPU freezing pass uses) and then multiply any number of rows against it. Measured on the serving
-model (docs/benchmarks.md): a 16-sequence SmolLM2 decode step 113 → 93 ms, with greedy tokens
-unchanged. The MLP's gate and up projections are also fused into one matmul (one read of the
-input, one kernel call instead of two).
+for the few-row matmuls of a decode step that overhead dominates. `pack_model` reorders each
+linear weight once into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``,
+what inductor's CPU freezing pass uses), which oneDNN multiplies against any number of rows, and
+fuses a gated MLP's gate and up projections into one matmul (one read of the input, one call).
 
-Where the engine loaded its native kernels (float32 on CPU), `use_panel_kernel` gives every packed
-layer KVGate's own matmul for 1 to 256 rows (engine/csrc/panel_gemm.cpp), on the weight repacked
-into sequential panels that replace oneDNN's copy: a 16-sequence decode step 31.8 → 23.7 ms on a
-Zen 5 VM against the few-row kernel it replaced (docs/engine.md); oneDNN keeps the larger matmuls.
+Where the engine loaded its native kernels (float32 on CPU), `use_panel_kernel` repacks every
+layer into the sequential panels of KVGate's own matmul (engine/csrc/panel_gemm.cpp), which then
+takes every row count; the panels replace oneDNN's layout, so a layer still holds one copy.
+Either form rebuilds the plain weight on demand (`PackedLinear.dense_weight`), so the kernels can
+be switched both ways at run time.
 
 Only on CPU, with oneDNN available and a float32/bfloat16 model; every replaced layer is checked
 against ``F.linear`` on random input when packed, and left alone if the results disagree.
 Call after the model's fingerprint is taken: packed layers hold buffers, not parameters.
+Figures: docs/engine.md.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -32,9 +32,6 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 _PACK_HINT_ROWS = 16  # oneDNN picks its blocking for this many rows; any row count works
-_CALIBRATION_ROWS = 1024  # a prefill-sized matmul, timed once per model to choose the kernel
-_MKL_ROWS = 512  # where MKL won the calibration, it takes matmuls from this many rows on
-_MKL_MARGIN = 0.93  # ... and only where it took at most this share of oneDNN's time
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -50,82 +47,130 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
+def _onednn_layout(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_HINT_ROWS)
+
+
+def unpack_panels(panels: torch.Tensor, out_features: int, paired: bool = False) -> torch.Tensor:
+    """The plain weight [out_features, in_features] that `pack_panels` laid out as ``panels``
+    [P, in_features, width] (``paired``: a gated layer's panels, gate outputs in each panel's
+    first half and the up outputs of the same indices in its second). An exact copy."""
+    def columns(part: torch.Tensor, count: int) -> torch.Tensor:  # [P, K, w] -> [P * w, K][:count]
+        return part.permute(0, 2, 1).reshape(-1, part.shape[1])[:count]
+
+    if not paired:
+        return columns(panels, out_features).contiguous()
+    half = panels.shape[2] // 2
+    return torch.cat([columns(panels[:, :, :half], out_features // 2),
+                      columns(panels[:, :, half:], out_features // 2)])
+
+
 class PackedLinear(nn.Module):
-    """``y = x Wᵀ + b``: oneDNN's packed W for few rows (decode); for many rows (prefill) whichever
-    of oneDNN and MKL's sgemm `pack_model` measured faster on this CPU (``mkl_rows``: from how
-    many rows MKL is used; None = never).
+    """``y = x Wᵀ + b`` with W held once: in oneDNN's blocked layout (`packed`), or with the
+    native panel kernel attached (`use_panel_kernel`) in its panels (`panels`), which then take
+    every row count. ``gated``: this is a gated MLP's gate|up layer (W = [gate; up], the
+    intermediate size); with the gated panel kernel its panels pair each gate output with its up
+    output, so `silu_mul` can apply the activation in the matmul's epilogue."""
 
-    Few rows: oneDNN is 15-100 % faster everywhere we measured. Many rows: on an Intel Xeon MKL
-    was 3-10 % faster past ~512 rows; on an AMD EPYC (Zen 4) oneDNN is 10-40 % faster at every
-    size (MKL does not pick its AVX-512 kernels there). The plain weight is kept for MKL and for
-    `_agrees`, one more copy of each linear weight in host memory (docs/engine.md). With the native
-    panel kernel attached (`use_panel_kernel`) it takes every matmul of up to `panel_rows` rows.
-    """
-
-    mkl_rows: int | None = _MKL_ROWS
-    # The native panel kernel (engine/csrc/panel_gemm.cpp, `use_panel_kernel`) where the engine
-    # loaded it takes 1 to `panel_rows` rows: SmolLM2's 30 layers at 16 rows 18.8 → 12.1 ms against
-    # the few-row kernel it replaced, at 64 rows 36-37 → 29-31 ms against oneDNN (weights streamed
-    # from memory); from ~512 rows oneDNN is faster.
     panel: Callable[..., torch.Tensor] | None = None
-    panel_rows: int = 256
-    # A gated MLP's gate|up layer (`gated`: the intermediate size, W = [gate; up]) with the gated
-    # panel kernel (`use_panel_kernel`) has panels that pair each gate output with its up output,
-    # so `silu_mul` can apply the activation in the matmul's epilogue.
     gated_panel: Callable[..., torch.Tensor] | None = None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gated: int | None = None) -> None:
         super().__init__()
         self.in_features = int(weight.shape[1])
         self.out_features = int(weight.shape[0])
-        weight = weight.detach().contiguous()
-        self.weight: torch.Tensor
-        self.packed: torch.Tensor
-        self.bias: torch.Tensor | None
-        self.register_buffer("weight", weight)
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT_ROWS))
-        self.register_buffer("bias", None if bias is None else bias.detach())
+        self.dtype = weight.dtype
+        self.gated = gated
+        self.packed: torch.Tensor | None
         self.panels: torch.Tensor | None
+        self.bias: torch.Tensor | None
+        self.register_buffer("packed", _onednn_layout(weight))
         self.register_buffer("panels", None)
-        self.gated: int | None = None
+        self.register_buffer("bias", None if bias is None else bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = self._panel_input(x)
-        if rows is not None:
+        rows = x.reshape(-1, self.in_features)
+        if self.panels is not None:
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
             if self.gated_panel is not None:
                 y = self.gated_panel(rows, self.panels, self.bias, self.gated, False)
             else:
-                assert self.panel is not None  # _panel_input returned rows
+                assert self.panel is not None  # panels come with their kernel
                 y = self.panel(rows, self.panels, self.bias, self.out_features)
-            return y.reshape(*x.shape[:-1], self.out_features)
-        rows = x.reshape(-1, self.in_features)
-        if self.mkl_rows is not None and rows.shape[0] >= self.mkl_rows:
-            return F.linear(x, self.weight, self.bias)
-        return self.onednn(rows.contiguous()).reshape(*x.shape[:-1], self.out_features)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, self.bias, "none", [], "")
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``SiLU(gate) * up`` of this gated layer's output for ``x`` ([..., gated]), the activation
-        computed in the panel kernel's epilogue: no [rows, 2 x gated] output written and read back
-        (a 64-row chunk through SmolLM2's 30 MLPs 34.4 → 33.0 ms on a Zen 4). None where the layer
-        cannot: not gated, no gated panels, or more than `panel_rows` rows."""
-        if self.gated_panel is None or self.gated is None:
+        computed in the panel kernel's epilogue: no [rows, 2 x gated] output written and read
+        back. None where the layer cannot: not gated, or no gated panels."""
+        if self.gated_panel is None or self.gated is None or self.panels is None:
             return None
-        rows = self._panel_input(x)
-        if rows is None:
-            return None
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
         return self.gated_panel(rows, self.panels, self.bias, self.gated, True).reshape(*x.shape[:-1], self.gated)
 
-    def _panel_input(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``x`` as rows with a unit column stride, for the panel kernel; None where the kernel
-        does not take it (none attached, or more than `panel_rows` rows)."""
-        rows = x.reshape(-1, self.in_features)
-        if self.panel is None or rows.shape[0] > self.panel_rows:
-            return None
-        return rows if rows.stride(-1) == 1 else rows.contiguous()
+    def dense_weight(self) -> torch.Tensor:
+        """W [out_features, in_features] rebuilt from the form held (a new tensor: to repack the
+        layer or to fuse it with others; exact)."""
+        if self.panels is not None:
+            return unpack_panels(self.panels, self.out_features, paired=self.gated_panel is not None)
+        assert self.packed is not None
+        return self.packed.to_dense()
 
-    def onednn(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` [n, in_features], contiguous, times the packed weight."""
-        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` of W (indices of any shape → [..., in_features]) read from the panels (a
+        tied output head's table, for `TiedEmbedding`)."""
+        assert self.panels is not None and self.gated_panel is None, "rows are read from plain panels"
+        width = self.panels.shape[2]
+        return self.panels[index // width, :, index % width]
+
+    def to_panels(self, linear: Callable[..., torch.Tensor], pack: Callable[..., torch.Tensor],
+                  gated: Callable[..., torch.Tensor] | None = None) -> None:
+        """Hold the weight as the panel kernel's panels (``pack``), multiplied by ``linear`` (and
+        ``gated`` for a gated layer's paired panels), instead of oneDNN's layout."""
+        if self.panels is None:
+            pair = gated is not None and self.gated is not None
+            weight = self.dense_weight()
+            self.panels = pack(weight, True) if pair else pack(weight)
+            self.gated_panel = gated if pair else None
+            self.packed = None
+        self.panel = linear
+
+    def to_onednn(self) -> None:
+        """Hold the weight in oneDNN's layout again (the panel kernel taken away)."""
+        if self.panels is not None:
+            self.packed = _onednn_layout(self.dense_weight())
+            self.panels = None
+        self.panel = self.gated_panel = None
+
+
+class TiedEmbedding(nn.Module):
+    """The input embedding of a model whose output head shares its table (tied weights), once the
+    head is packed: rows come from the head's panels where it holds them, so the table is held
+    once; else from the plain table (oneDNN's layout is not read row by row), which
+    `use_panel_kernel` drops and restores as the head changes form (`settle`)."""
+
+    def __init__(self, head: PackedLinear, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.head = head
+        self.weight: torch.Tensor | None
+        self.register_buffer("weight", weight.detach())
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return F.embedding(input_ids, self.weight)
+        return self.head.rows(input_ids)
+
+    def settle(self) -> None:
+        """Hold the plain table only while the head holds no panels to read rows from."""
+        if self.head.panels is not None:
+            self.weight = None
+        elif self.weight is None:
+            self.weight = self.head.dense_weight()
 
 
 class FusedGateUpMLP(nn.Module):
@@ -138,8 +183,7 @@ class FusedGateUpMLP(nn.Module):
         bias = None
         if mlp.gate_proj.bias is not None:
             bias = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
-        self.gate_up = PackedLinear(weight, bias)
-        self.gate_up.gated = self.intermediate
+        self.gate_up = PackedLinear(weight, bias, gated=self.intermediate)
         self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias)
         self.act_fn = mlp.act_fn
 
@@ -159,99 +203,81 @@ def _agrees(original: nn.Module, packed: nn.Module, in_features: int, dtype: tor
 
 
 def pack_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """Replace the model's linear layers (and gated MLPs) by packed ones; returns how many."""
+    """Replace the model's linear layers (and gated MLPs) by packed ones; returns how many. The
+    replaced layers' own weights are released; a tied output head's table stays with the input
+    embedding (`TiedEmbedding`) until the head holds panels. What stays of the model (embedding,
+    norms, biases) is copied out of the weights file's memory map, so that the map goes: the
+    pages that packing read would otherwise stay resident, a second copy of every weight."""
     if not packing_supported(device, dtype):
         return 0
+    embedding, head = _tied_pair(model)
     replaced = _pack_children(model, dtype)
+    packed_head = _get(model, "get_output_embeddings")
+    if embedding is not None and head is not packed_head and isinstance(packed_head, PackedLinear):
+        model.set_input_embeddings(TiedEmbedding(packed_head, embedding.weight))  # type: ignore[operator]
     if replaced:
-        packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-        mkl_rows = _calibrate(_calibration_layers(model, packed))
-        for layer in packed:
-            layer.mkl_rows = mkl_rows
-        # a detail of how the matmuls run, for whoever measures them (docs/engine.md)
-        logger.debug("packed %d linear layers for oneDNN; many-row matmuls use %s", replaced,
-                     "oneDNN too" if mkl_rows is None else f"MKL from {mkl_rows} rows")
+        _own_memory(model)
     return replaced
+
+
+def _get(model: nn.Module, getter: str) -> Any:
+    method = getattr(model, getter, None)
+    return method() if callable(method) else None
+
+
+def _tied_pair(model: nn.Module) -> tuple[Any, Any]:
+    """(input embedding, output head) where the two share one table, else (None, None)."""
+    embedding, head = _get(model, "get_input_embeddings"), _get(model, "get_output_embeddings")
+    if type(embedding) is nn.Embedding and type(head) is nn.Linear and head.bias is None \
+            and callable(getattr(model, "set_input_embeddings", None)) \
+            and head.weight.shape == embedding.weight.shape \
+            and head.weight.data_ptr() == embedding.weight.data_ptr():
+        return embedding, head
+    return None, None
+
+
+def _own_memory(model: nn.Module) -> None:
+    """Copy the model's parameters and plain buffers into memory of their own (loaders map the
+    weights file and hand out views of the map, which lives while any view does)."""
+    seen: set[int] = set()
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                param.data = param.data.clone()
+        for name, buffer in module._buffers.items():
+            if buffer is not None and not buffer.is_mkldnn and id(buffer) not in seen:
+                seen.add(id(buffer))
+                module._buffers[name] = buffer.clone()
 
 
 def use_panel_kernel(modules: Iterable[nn.Module], linear: Callable[..., torch.Tensor] | None,
                      pack: Callable[..., torch.Tensor] | None = None,
                      gated: Callable[..., torch.Tensor] | None = None) -> int:
     """Give the float32 packed layers among ``modules`` the native panel kernel (``linear``, with
-    ``pack`` to repack their weights into its panels); returns how many. The panels replace
-    oneDNN's packed copy, so a layer still holds two copies of its weight: oneDNN then multiplies
-    the many-row matmuls past `PackedLinear.panel_rows` from the plain weight, reordering it per
-    call (measured alike at 512-2,048 rows: the reorder is a small part of such a matmul).
-    With ``gated`` (the gated panel kernel), gated MLP layers (`PackedLinear.gated`) get panels
-    that pair gate and up outputs (``pack(weight, True)``), for `PackedLinear.silu_mul`.
-    ``linear=None`` takes the kernels away and restores oneDNN's packed copy."""
+    ``pack`` to repack their weights into its panels, which replace oneDNN's layout); returns
+    how many. With ``gated`` (the gated panel kernel), gated MLP layers (`PackedLinear.gated`)
+    get panels that pair gate and up outputs (``pack(weight, True)``), for
+    `PackedLinear.silu_mul`. ``linear=None`` takes the kernels away and packs the layers for
+    oneDNN again. A layer listed twice is converted once. A `TiedEmbedding` among ``modules``
+    then reads its rows from its head's panels, or holds its table again."""
     if linear is not None and pack is None:
         raise ValueError("use_panel_kernel needs the pack op that lays out the kernel's panels")
-    count = 0
+    modules = list(modules)
+    done: set[int] = set()
     for module in modules:
-        if not isinstance(module, PackedLinear) or module.weight.dtype != torch.float32:
+        if not isinstance(module, PackedLinear) or module.dtype != torch.float32 or id(module) in done:
             continue
+        done.add(id(module))
         if linear is None:
-            if module.panel is not None:
-                module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight, _PACK_HINT_ROWS)
-                module.panels = None
-            module.gated_panel = None
-        elif module.panel is None:
+            module.to_onednn()
+        else:
             assert pack is not None
-            pair = gated is not None and module.gated is not None
-            module.panels = pack(module.weight, True) if pair else pack(module.weight)
-            module.gated_panel = gated if pair else None
-            module.packed = module.weight
-        module.panel = linear
-        count += 1
-    return count
-
-
-def _calibration_layers(model: nn.Module, packed: list[PackedLinear]) -> list[PackedLinear]:
-    """One packed layer of each weight shape, without the output head: a prefill runs every
-    decoder shape over all its rows but the head over the last row only. (Timing the largest
-    layer alone picked the head, and on an AMD EPYC Zen 3 that chose oneDNN where MKL runs the
-    decoder's shapes 10 % faster at 2,040 rows.)"""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    by_shape: dict[tuple[int, int], PackedLinear] = {}
-    for layer in packed:
-        if layer is not head:
-            by_shape.setdefault((layer.out_features, layer.in_features), layer)
-    return list(by_shape.values()) or packed[:1]
-
-
-def _calibrate(layers: list[PackedLinear], repeats: int = 3) -> int | None:
-    """Time ``layers`` (the model's own weights) at a prefill-sized row count with both kernels
-    (per layer, one untimed call each, then best of ``repeats``; summed): `_MKL_ROWS` (MKL from
-    there on) if MKL is clearly faster (`_choose`), else None (oneDNN for every size)."""
-    gen = torch.Generator().manual_seed(0)
-    kernels: dict[str, Callable[[PackedLinear, torch.Tensor], torch.Tensor]] = {
-        "onednn": lambda layer, x: layer.onednn(x), "mkl": lambda layer, x: F.linear(x, layer.weight, layer.bias)}
-    total = dict.fromkeys(kernels, 0.0)
-    with torch.inference_mode():
-        for layer in layers:
-            x = torch.randn(_CALIBRATION_ROWS, layer.in_features, dtype=layer.weight.dtype, generator=gen)
-            for run in kernels.values():  # a kernel's first call per shape sets it up (oneDNN: its primitive)
-                run(layer, x)
-            best = dict.fromkeys(kernels, float("inf"))
-            for _ in range(repeats):  # the kernels alternate, so a busy moment hits both
-                for name, run in kernels.items():
-                    t0 = time.perf_counter()
-                    run(layer, x)
-                    best[name] = min(best[name], time.perf_counter() - t0)
-            for name in total:
-                total[name] += best[name]
-    return _choose(total)
-
-
-def _choose(seconds: dict[str, float]) -> int | None:
-    """MKL from `_MKL_ROWS` rows only where it took at most `_MKL_MARGIN` of oneDNN's time. Where
-    MKL won, it won by 3-10 % (an Intel Xeon; 10 % on a Zen 3 without AVX-512); where it lost, by
-    2.3x (Zen 5: MKL does not pick its AVX-512 kernels on AMD) — and one start on a noisy Zen 5 VM
-    timed oneDNN that slow for a while, chose MKL by 3 %, and that process's 2,048-token prompts
-    took 2.4 s instead of 1.3. A wrong MKL costs up to 2.3x, a wrong oneDNN under 7 %."""
-    return _MKL_ROWS if seconds["mkl"] <= _MKL_MARGIN * seconds["onednn"] else None
+            module.to_panels(linear, pack, gated)
+    for module in modules:
+        if isinstance(module, TiedEmbedding):
+            module.settle()
+    return len(done)
 
 
 def _pack_children(parent: nn.Module, dtype: torch.dtype) -> int:

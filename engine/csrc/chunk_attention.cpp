@@ -2,9 +2,8 @@
 // float32: the rows of a prompt whose prefix was a cache hit, and whole cold prompts.
 //
 // PyTorch's flash attention needs the context gathered into a contiguous copy first and runs its
-// small GEMMs well below the machine's matmul rate on these shapes (docs/engine.md: a 64-row
-// chunk over 2k keys 2.6 → 1.9 ms per layer, a causal 2k prompt 43 → 30 ms). This kernel reads
-// K/V where they lie in the pool and works on transposed scores, so the softmax needs no
+// small GEMMs well below the machine's matmul rate on these shapes (docs/engine.md). This kernel
+// reads K/V where they lie in the pool and works on transposed scores, so the softmax needs no
 // horizontal operation:
 //
 //   row tile  R query rows of one KV head: the rows of all G query heads that share it
@@ -83,8 +82,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Taylor polynomial of e^(r ln 2) (relative error < 6e-9, as vec_math.h's exp on its range) and
 // 2^k put into the exponent: one vscalefps with AVX-512, else the integer add of vec_math.h's exp.
 // Against that exp: no multiply by log2(e), no two-part ln 2 reduction, no upper clamp (x <= 0
-// here), which with the fusions below took a 64-row chunk over 2k keys from 1.77 to 1.64 ms per
-// layer on a Zen 4 (docs/engine.md).
+// here), which with the fusions below makes a chunk's layer measurably faster (docs/engine.md).
 inline vec exp2_vec(vec x) {
   const vec lo = splat(-125.0f);
   x = x < lo ? lo : x;
@@ -310,8 +308,8 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const
           krow[i] = key < tile_end ? kp + key_offset(key) : zeros.data();
           vrow[i] = key < tile_end ? vp + key_offset(key) : zeros.data();
         }
-        // the next key tile's K/V toward L2 while this one computes (a layer's K/V lie in 12 KB
-        // pieces far apart in the pool: -1.5 to -7 ms of a 64-row chunk's 55-64 ms over 30 layers)
+        // the next key tile's K/V toward L2 while this one computes (a layer's K/V lie in small
+        // pieces far apart in the pool, which the hardware prefetcher does not follow)
         for (int64_t key = tile_end; key < std::min(unit.keys, tile_end + kTile); ++key) {
           const int64_t offset = key_offset(key);
           for (int64_t d = 0; d < D; d += 16) {

@@ -1,20 +1,23 @@
-// y = x W^T + b for 1 to a few hundred rows (decode steps, a prompt's chunk past a cached prefix)
-// on CPU, float32.
+// y = x W^T + b on CPU, float32, for any number of rows: the matmul of every packed linear layer
+// once the native kernels are in (engine/packing.py). The panels are the layer's only copy of its
+// weight, so this kernel takes every row count, decode steps and prompt chunks alike.
 //
-// At these sizes a forward pass streams every weight from memory once and uses it for at most
-// tens of rows, so how the weights arrive matters as much as the multiply. oneDNN's packed GEMM
-// ran SmolLM2's 30 layers at 64 rows in 36-37 ms with the weights coming from memory (28 ms when
-// they sat in cache; docs/engine.md), this kernel in 29-31 ms; at 16 rows it takes 12 ms where
-// the few-row kernel it replaced (dot products along each weight row) took 19. W is repacked once into panels of
-// `kWidth` output columns, each panel [K][kWidth] contiguous, so a panel is one sequential stream:
+// With few rows a forward pass streams every weight from memory once and uses it for at most
+// tens of rows, so how the weights arrive matters as much as the multiply; with many rows the
+// multiply dominates. W is repacked once into panels of `kWidth` output columns, each panel
+// [K][kWidth] contiguous, so a panel is one sequential stream, and a tile covers two adjacent
+// panels (where the build has 32 vector registers):
 //
-//   for each panel (panels are shared between threads):
-//     for each block of up to kMaxRows rows:        kMaxRows x 2 vector accumulators
-//       for k in 0..K:  two vectors of the panel's row k, each x[r][k] broadcast against both
+//   for each pair of panels (pairs shared between threads; row ranges too, where pairs alone
+//   would leave a thread idle):
+//     for each block of up to kWideRows rows:       kWideRows x 4 vector accumulators
+//       for k in 0..K:  four vectors of the panels' row k, each x[r][k] broadcast against all
 //
-// The panel (K x kWidth x 4 bytes: 72 KB for K = 576) stays in L1/L2 while every row block passes
-// over it; during the first row block the panel after next is prefetched, a cache line per 16
-// weights, so its stream is in flight before the kernel reaches it.
+// Four weight loads and kWideRows broadcasts feed 4 x kWideRows FMAs: the blocking oneDNN's own
+// float32 kernels use. The pair (K x 2 kWidth x 4 bytes) stays in L2 while every row block passes
+// over it; with a full row block, the first one prefetches the pair after next, a cache line per
+// 16 weights, so its stream is in flight before the kernel reaches it. With 16 vector registers
+// (AVX2), or a layer of one panel, a tile covers one panel with kMaxRows x 2 accumulators.
 //
 // Shapes: x [M, K] (any row stride, unit column stride); panels [P, K, kWidth] from
 // `pack_panels` (columns past N zero); bias [N] or none. Returns [M, N].
@@ -23,6 +26,7 @@
 // i with up output i in one panel (first vector gate, second up), so `gated_panel_linear` can
 // write SiLU(gate) * up [M, I] from the accumulators, or gate | up [M, 2 I] as the plain matmul
 // would. Those panels only make sense to `gated_panel_linear` (the shapes cannot tell them apart).
+// Panels unpack to W with a permute and a reshape (engine/packing.py `unpack_panels`).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -42,9 +46,13 @@ namespace {
 
 constexpr int kLanes = kvgate::kWideLanes;
 #if defined(__AVX512F__)
-constexpr int kMaxRows = 14;  // 14 x 2 = 28 accumulators of 32 zmm registers (12 and 8 measured slower)
+constexpr int kMaxRows = 14;  // 14 x 2 = 28 accumulators of 32 zmm registers
+constexpr int kWideRows = 6;  // 6 x 4 = 24 accumulators, the fastest of 5 to 7 rows
+constexpr bool kTwoPanels = true;
 #else
 constexpr int kMaxRows = 6;   // 6 x 2 = 12 accumulators of 16 ymm registers
+constexpr int kWideRows = 1;  // unused: 16 registers leave no room for a two-panel tile
+constexpr bool kTwoPanels = false;
 #endif
 constexpr int kWidth = 2 * kLanes;  // output columns per panel
 
@@ -53,64 +61,98 @@ constexpr auto load = kvgate::loadw;
 constexpr auto store = kvgate::storew;
 constexpr auto splat = kvgate::splatw;
 
-// What a tile writes: its 2 x kLanes outputs as they are (kPlain); from a gated layer's panel
-// (`pack_panels(w, gated=true)`: kLanes gate outputs, then the kLanes up outputs they pair with)
-// the gate half to y and the up half to y_up (kSplit), or SiLU(gate) * up to y (kSiluMul).
+// What a tile writes: its 2 x kLanes outputs per panel as they are (kPlain); from a gated layer's
+// panel (`pack_panels(w, gated=true)`: kLanes gate outputs, then the kLanes up outputs they pair
+// with) the gate half to y and the up half to y_up (kSplit), or SiLU(gate) * up to y (kSiluMul).
 enum class Out { kPlain, kSplit, kSiluMul };
 
-// The outputs of the R rows at x for one panel; `cols`: valid outputs (of kWidth for kPlain, of
-// kLanes per half otherwise); bias (bias_up: of the up half) or null; `ahead`: a panel to
-// prefetch, or null.
-template <int R, Out out>
-void tile(const float* x, int64_t ldx, const float* panel, int64_t K, const float* ahead, const float* bias,
-          const float* bias_up, float* y, float* y_up, int64_t ldy, int64_t cols) {
-  vec acc[R][2];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vec{};
+// The outputs of the R rows at x for V adjacent panels (the second `next` floats after the first);
+// `cols`: valid outputs over the V panels (of kWidth per panel for kPlain, of kLanes per half
+// otherwise); bias (bias_up: of the up halves) or null; `ahead`: panels to prefetch, or null.
+// acc += the R rows at x times V adjacent panels over K; with kAhead, prefetching `ahead`'s panels
+// as it goes (a separate loop: the test would sit in the inner loop otherwise).
+template <int R, int V, bool kAhead>
+inline __attribute__((always_inline)) void accumulate(vec (&acc)[R][2 * V], const float* x, int64_t ldx,
+                                                      const float* panel, int64_t next, int64_t K, const float* ahead) {
   for (int64_t k = 0; k < K; ++k) {
     const float* w = panel + k * kWidth;
-    const vec b0 = load(w), b1 = load(w + kLanes);
-    if (ahead != nullptr)
-      for (int i = 0; i < kWidth; i += 16) __builtin_prefetch(ahead + k * kWidth + i, 0, 3);
+    vec b[2 * V];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) {
+      b[2 * v] = load(w + v * next);
+      b[2 * v + 1] = load(w + v * next + kLanes);
+    }
+    if constexpr (kAhead)
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v)
+#pragma GCC unroll 2
+        for (int i = 0; i < kWidth; i += 16) __builtin_prefetch(ahead + v * next + k * kWidth + i, 0, 3);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const vec a = splat(x[r * ldx + k]);
-      acc[r][0] += a * b0;
-      acc[r][1] += a * b1;
-    }
-  }
-  float row[kWidth];
-  for (int r = 0; r < R; ++r) {
-    store(row, acc[r][0]);
-    store(row + kLanes, acc[r][1]);
-    if (out == Out::kPlain) {
-      if (bias != nullptr)
-        for (int64_t j = 0; j < cols; ++j) row[j] += bias[j];
-      std::memcpy(y + r * ldy, row, cols * sizeof(float));
-      continue;
-    }
-    if (bias != nullptr)
-      for (int64_t j = 0; j < cols; ++j) {
-        row[j] += bias[j];
-        row[kLanes + j] += bias_up[j];
-      }
-    if (out == Out::kSplit) {
-      std::memcpy(y + r * ldy, row, cols * sizeof(float));
-      std::memcpy(y_up + r * ldy, row + kLanes, cols * sizeof(float));
-    } else {
-      store(row, kvgate::silu_mul_lanes<vec, kvgate::i32xw>(load(row), load(row + kLanes)));
-      std::memcpy(y + r * ldy, row, cols * sizeof(float));
+#pragma GCC unroll 4
+      for (int j = 0; j < 2 * V; ++j) acc[r][j] += a * b[j];
     }
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, const float*, const float*,
-                        float*, float*, int64_t, int64_t);
+template <int R, int V, Out out>
+void tile(const float* x, int64_t ldx, const float* panel, int64_t next, int64_t K, const float* ahead,
+          const float* bias, const float* bias_up, float* y, float* y_up, int64_t ldy, int64_t cols) {
+  constexpr int64_t per_panel = out == Out::kPlain ? kWidth : kLanes;  // outputs of one panel
+  vec acc[R][2 * V];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 2 * V; ++j) acc[r][j] = vec{};
+  if (ahead != nullptr)
+    accumulate<R, V, true>(acc, x, ldx, panel, next, K, ahead);
+  else
+    accumulate<R, V, false>(acc, x, ldx, panel, next, K, nullptr);
+  float row[kWidth];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      const int64_t c = v * per_panel, n = std::min(per_panel, cols - c);
+      store(row, acc[r][2 * v]);
+      store(row + kLanes, acc[r][2 * v + 1]);
+      if (out == Out::kPlain) {
+        if (bias != nullptr)
+          for (int64_t j = 0; j < n; ++j) row[j] += bias[c + j];
+        std::memcpy(y + r * ldy + c, row, n * sizeof(float));
+        continue;
+      }
+      if (bias != nullptr)
+        for (int64_t j = 0; j < n; ++j) {
+          row[j] += bias[c + j];
+          row[kLanes + j] += bias_up[c + j];
+        }
+      if (out == Out::kSplit) {
+        std::memcpy(y + r * ldy + c, row, n * sizeof(float));
+        std::memcpy(y_up + r * ldy + c, row + kLanes, n * sizeof(float));
+      } else {
+        store(row, kvgate::silu_mul_lanes<vec, kvgate::i32xw>(load(row), load(row + kLanes)));
+        std::memcpy(y + r * ldy + c, row, n * sizeof(float));
+      }
+    }
+}
 
-template <Out out, int... Rs>
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const float*, const float*,
+                        const float*, float*, float*, int64_t, int64_t);
+
+template <int V, Out out, int... Rs>
 constexpr TileFn tile_for(int rows, std::integer_sequence<int, Rs...>) {
-  constexpr TileFn tiles[] = {&tile<Rs + 1, out>...};
+  constexpr TileFn tiles[] = {&tile<Rs + 1, V, out>...};
   return tiles[rows - 1];
+}
+
+// The tile of `rows` rows (1 to kMaxRows for one panel, to kWideRows for two) writing `out`.
+template <int V>
+TileFn tile_of(int rows, Out out) {
+  constexpr int most = V == 1 ? kMaxRows : kWideRows;
+  const auto sizes = std::make_integer_sequence<int, most>{};
+  return out == Out::kPlain ? tile_for<V, Out::kPlain>(rows, sizes)
+         : out == Out::kSplit ? tile_for<V, Out::kSplit>(rows, sizes)
+                              : tile_for<V, Out::kSiluMul>(rows, sizes);
 }
 
 // Panels of `weight` [N, K]: panel p holds outputs p * kWidth ... (columns past N zero). `gated`:
@@ -144,6 +186,19 @@ at::Tensor pack_panels(const at::Tensor& weight, bool gated) {
   return out;
 }
 
+// How many row ranges to split M into so that `units` x ranges work items share out evenly over
+// `threads` (1 where the units alone do; at most 8).
+int64_t row_parts(int64_t units, int64_t threads) {
+  int64_t best = 1;
+  double best_share = 0.0;
+  for (int64_t parts = 1; parts <= 8; ++parts) {
+    const int64_t items = units * parts;
+    const double share = static_cast<double>(items) / (((items + threads - 1) / threads) * threads);
+    if (share > best_share + 0.02) best = parts, best_share = share;
+  }
+  return best;
+}
+
 // x [M, K] times panels; `out`: what the tiles write (a gated layer's halves split into [M, 2 I]
 // for kSplit, SiLU(gate) * up [M, I] for kSiluMul). out_features: N (kPlain) or I.
 at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
@@ -170,23 +225,44 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const std::
   const float* xp = x.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
-  const auto tiles = std::make_integer_sequence<int, kMaxRows>{};
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const float* panel = wp + p * K * kWidth;
-      const float* ahead = p + 2 < P ? panel + 2 * K * kWidth : nullptr;
-      const int64_t c0 = p * per_panel, cols = std::min<int64_t>(per_panel, N - c0);
-      const float* bp = b == nullptr ? nullptr : b + c0;
-      const float* bu = b == nullptr || out == Out::kPlain ? nullptr : b + N + c0;
-      for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - r0));
-        const TileFn fn = out == Out::kPlain ? tile_for<Out::kPlain>(rows, tiles)
-                          : out == Out::kSplit ? tile_for<Out::kSplit>(rows, tiles)
-                                               : tile_for<Out::kSiluMul>(rows, tiles);
-        float* yr = yp + r0 * width + c0;
-        fn(xp + r0 * ldx, ldx, panel, K, r0 == 0 ? ahead : nullptr, bp, bu, yr, out == Out::kSplit ? yr + N : nullptr,
-           width, cols);
+  const int64_t ldx = x.stride(0), stride = K * kWidth;
+  // the tile of V panels from panel p over rows [r0, r0 + rows); `ahead`: panels to prefetch
+  const auto run = [&](auto panels_per_tile, int64_t p, int64_t r0, int rows, const float* ahead) {
+    constexpr int V = decltype(panels_per_tile)::value;
+    const int64_t c0 = p * per_panel, cols = std::min<int64_t>(V * per_panel, N - c0);
+    const float* bp = b == nullptr ? nullptr : b + c0;
+    const float* bu = b == nullptr || out == Out::kPlain ? nullptr : b + N + c0;
+    float* yr = yp + r0 * width + c0;
+    tile_of<V>(rows, out)(xp + r0 * ldx, ldx, wp + p * stride, stride, K, ahead, bp, bu, yr,
+                          out == Out::kSplit ? yr + N : nullptr, width, cols);
+  };
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  if (!kTwoPanels || P < 2) {
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const float* ahead = p + 2 < P ? wp + (p + 2) * stride : nullptr;
+        for (int64_t r0 = 0; r0 < M; r0 += kMaxRows)
+          run(One{}, p, r0, static_cast<int>(std::min<int64_t>(kMaxRows, M - r0)), r0 == 0 ? ahead : nullptr);
+      }
+    });
+    return y;
+  }
+  // units of two panels (the last one alone where P is odd), each over `parts` row ranges
+  const int64_t units = (P + 1) / 2;
+  const int64_t parts = std::min(row_parts(units, at::get_num_threads()), (M + kWideRows - 1) / kWideRows);
+  const int64_t part_rows = ((M + parts - 1) / parts + kWideRows - 1) / kWideRows * kWideRows;
+  at::parallel_for(0, units * parts, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t u = i / parts, m0 = (i % parts) * part_rows, m1 = std::min(M, m0 + part_rows);
+      const int64_t p = 2 * u;
+      const float* ahead = p + 4 < P && M >= kWideRows ? wp + (p + 4) * stride : nullptr;
+      for (int64_t r0 = m0; r0 < m1; r0 += kWideRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kWideRows, m1 - r0));
+        if (p + 1 < P)
+          run(Two{}, p, r0, rows, r0 == m0 ? ahead : nullptr);
+        else
+          run(One{}, p, r0, rows, nullptr);
       }
     }
   });

@@ -45,10 +45,10 @@ inline V times_pow2(V p, V k) {
 }
 
 // The same exp on vectors. Loops whose result divides by the exp use this form: from the scalar
-// form GCC if-converted the clamp into per-range paths computed on every lane and blended, and
-// SiLU's clamped path (x / (1 + exp(88))) made a denormal on every vector, each a microcode
-// assist on Intel CPUs: SiLU*mul ran 8x slower than PyTorch's on a Sapphire Rapids (not on Zen 3,
-// which has no such assists). Here the clamp is a select on the vector: no lane takes a path.
+// form GCC if-converts the clamp into per-range paths computed on every lane and blended, and
+// SiLU's clamped path (x / (1 + exp(88))) makes a denormal on every vector, each a microcode
+// assist on CPUs that have them (docs/engine.md). Here the clamp is a select on the vector: no
+// lane takes a path.
 template <typename V, typename I>
 inline V exp_clamped_lanes(V x) {
   const V lo = V{} - 87.0f, hi = V{} + 88.0f;

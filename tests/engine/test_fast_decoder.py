@@ -81,3 +81,41 @@ def test_unsupported_models_say_why_and_keep_transformers_modules(tiny_model_dir
     loaded.model.get_decoder().layers[0].self_attn.q_norm = torch.nn.Identity()
     assert "normalises q/k" in (FastDecoder.unsupported(loaded.model) or "")
     assert "not one of" in (FastDecoder.unsupported(SimpleNamespace(config=SimpleNamespace(model_type="gpt2"))) or "")
+
+
+def _weight_bytes(runner: ModelRunner) -> int:
+    """Bytes of every distinct tensor the runner's modules hold (parameters and buffers, deduplicated
+    by storage; oneDNN's packed tensors, which have none, by their size)."""
+    seen: dict[object, int] = {}
+    for module in runner.modules():
+        for tensor in [*module._parameters.values(), *module._buffers.values()]:
+            if tensor is None:
+                continue
+            if tensor.is_mkldnn:
+                seen[id(tensor)] = tensor.numel() * tensor.element_size()
+            else:
+                storage = tensor.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-ops", "pytorch-ops"])
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-decoder", "transformers-modules"])
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "plain-linear"])
+def test_every_weight_is_held_once(tiny_model_dir, native: bool, fast: bool, pack: bool) -> None:
+    """Packed layers keep one form of their weight (oneDNN's layout or the panel kernel's panels),
+    and the fused q/k/v and gate/up layers replace the projections fused into them."""
+    if native and NATIVE is None:
+        pytest.skip("the native ops cannot be built here")
+    params = sum(p.numel() * p.element_size() for p in load_model(str(tiny_model_dir), device="cpu").model.parameters())
+    runner = _runner(tiny_model_dir, pack=pack, native=NATIVE if native else None, fast=fast)
+    assert _weight_bytes(runner) <= 1.1 * params
+    if NATIVE is not None:  # the kernels switched in and out at run time: still one copy each way
+        runner.use_native(None if native else NATIVE)
+        assert _weight_bytes(runner) <= 1.1 * params
+        runner.use_native(NATIVE if native else None)
+        assert _weight_bytes(runner) <= 1.1 * params
+    ids, starts, tables = _steps(runner.model.config.vocab_size)[0]
+    reference = _runner(tiny_model_dir, pack=False, native=None, fast=False)
+    torch.testing.assert_close(runner.execute(ids, starts, tables, [0, 1]), reference.execute(ids, starts, tables, [0, 1]),
+                               rtol=1e-4, atol=1e-4)

@@ -288,11 +288,12 @@ def test_rope_write_kv_rotates_in_place_and_refuses_slots_outside_the_pool() -> 
 
 
 @needs_ops
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 14, 15, 17, 64, 100])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 14, 15, 17, 64, 100, 301])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (97, 576), (33, 40), (1, 8), (64, 1)])
 def test_panel_linear_matches_f_linear(rows: int, out_features: int, in_features: int) -> None:
-    # row counts around both builds' row tiles (6 with AVX2, 14 with AVX-512); outputs that fill
-    # panels of 16 or 32 columns exactly, by one column more, or a panel's first column only
+    # row counts around the row tiles (6 and 14, one panel or two at once); outputs that fill
+    # panels of 16 or 32 columns exactly (an odd count of them: one left alone), by one column
+    # more, or a panel's first column only; row ranges split between threads (301 rows)
     assert ops is not None
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=gen)
@@ -328,7 +329,7 @@ def test_panel_linear_refuses_what_does_not_fit() -> None:
 
 
 @needs_ops
-@pytest.mark.parametrize("rows", [1, 6, 7, 15, 64])
+@pytest.mark.parametrize("rows", [1, 6, 7, 15, 64, 301])
 @pytest.mark.parametrize("intermediate,in_features", [(48, 64), (49, 576), (17, 40), (1, 8)])
 def test_gated_panel_linear_matches_the_matmul_and_silu(rows: int, intermediate: int, in_features: int) -> None:
     # gate|up of 16/32-column panels exactly, one output more, one output; rows around both tiles
@@ -370,30 +371,34 @@ def test_gated_panel_linear_refuses_what_does_not_fit() -> None:
 
 
 @needs_ops
-def test_packed_layers_take_the_panel_kernel_up_to_panel_rows() -> None:
+def test_packed_layers_hold_one_form_of_their_weight_and_switch_both_ways() -> None:
     from engine.packing import PackedLinear, use_panel_kernel
 
     assert ops is not None
-    layer = PackedLinear(torch.randn(48, 32), torch.randn(48))
+    weight, bias = torch.randn(48, 32), torch.randn(48)
+    layer = PackedLinear(weight, bias)
+    assert layer.packed is not None and layer.packed.is_mkldnn and layer.panels is None  # oneDNN's layout only
     calls: list[int] = []
 
     def counting(x: torch.Tensor, *args: object) -> torch.Tensor:
         calls.append(x.shape[0])
         return ops.panel_linear(x, *args)
 
-    assert use_panel_kernel([layer, torch.nn.ReLU()], counting, ops.pack_panels) == 1
-    assert layer.panels is not None and layer.packed is layer.weight  # the panels replace oneDNN's copy
+    assert use_panel_kernel([layer, torch.nn.ReLU(), layer], counting, ops.pack_panels) == 1
+    assert layer.panels is not None and layer.packed is None  # the panels replace oneDNN's layout
+    assert torch.equal(layer.dense_weight(), weight)
     with torch.inference_mode():
-        for rows in (1, 16, layer.panel_rows, layer.panel_rows + 1, 600):
+        for rows in (1, 16, 257, 600):  # the panel kernel takes every row count
             x = torch.randn(2, rows, 32)[1]
-            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-    assert calls == [1, 16, layer.panel_rows]
+            torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 16, 257, 600]
     use_panel_kernel([layer], None)
-    assert layer.panel is None and layer.panels is None and layer.packed.is_mkldnn  # oneDNN's copy is back
+    assert layer.panel is None and layer.panels is None and layer.packed is not None and layer.packed.is_mkldnn
+    assert torch.equal(layer.dense_weight(), weight)  # rebuilt exactly from the panels
     with torch.inference_mode():
         x = torch.randn(5, 32)
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-    assert len(calls) == 3
+        torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 4
     with pytest.raises(ValueError, match="needs the pack op"):
         use_panel_kernel([layer], ops.panel_linear)
 
@@ -411,20 +416,22 @@ def test_a_gated_mlp_takes_the_activation_into_the_panel_kernel() -> None:
     assert use_panel_kernel([layer, fused.down], ops.panel_linear, ops.pack_panels, ops.gated_panel_linear) == 2
     assert layer.gated_panel is not None and fused.down.gated_panel is None  # only the gated layer pairs
     with torch.inference_mode():
-        for rows in (1, 16, layer.panel_rows, layer.panel_rows + 1):
+        torch.testing.assert_close(layer.dense_weight(), torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                                   rtol=0, atol=0)  # the paired panels unpack to gate over up
+        for rows in (1, 16, 300):
             x = torch.randn(2, rows, 32)[1]
             gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-            # the layer's own output stays gate | up, whichever kernel runs
+            # the layer's own output stays gate | up
             torch.testing.assert_close(layer(x), torch.cat([gate, up], -1), rtol=1e-5, atol=1e-5)
             act = layer.silu_mul(x)
-            if rows <= layer.panel_rows:
-                assert act is not None
-                torch.testing.assert_close(act, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
-            else:
-                assert act is None  # oneDNN's matmul, then the activation, for many rows
+            assert act is not None
+            torch.testing.assert_close(act, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(fused(x), mlp.down_proj(F.silu(gate) * up), rtol=1e-5, atol=1e-5)
     use_panel_kernel([layer], None)
     assert layer.gated_panel is None and layer.silu_mul(torch.randn(3, 32)) is None
+    with torch.inference_mode():
+        x = torch.randn(4, 32)
+        torch.testing.assert_close(layer(x), torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1), rtol=1e-5, atol=1e-5)
 
 
 def _off_by_a_little(name: str, real):

@@ -1,4 +1,5 @@
-"""Pre-packed linear layers: the same results as the model's own layers, whichever kernel runs."""
+"""Pre-packed linear layers: the same results as the model's own layers, whichever kernel runs,
+each weight held once."""
 
 from __future__ import annotations
 
@@ -7,56 +8,79 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.packing import _MKL_ROWS, PackedLinear, _calibrate, _choose, pack_model, packing_supported
+from engine import kernels
+from engine.packing import PackedLinear, TiedEmbedding, pack_model, packing_supported, use_panel_kernel
 
 pytestmark = pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.float32),
                                 reason="oneDNN weight packing is not available in this torch build")
+ops = kernels.load()
 
 
 @pytest.mark.parametrize("rows", [1, 4, 16, 700])
-@pytest.mark.parametrize("mkl_rows", [512, None])
-def test_packed_linear_matches_f_linear(rows: int, mkl_rows: int | None) -> None:
+def test_packed_linear_matches_f_linear(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=gen)
     bias = torch.randn(96, generator=gen)
     layer = PackedLinear(weight, bias)
-    layer.mkl_rows = mkl_rows
     x = torch.randn(rows, 64, generator=gen)
     with torch.inference_mode():
         assert torch.allclose(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
         assert layer(x.view(1, rows, 64)).shape == (1, rows, 96)
+    assert torch.equal(layer.dense_weight(), weight)  # oneDNN's layout gives the weight back exactly
 
 
-def test_calibration_chooses_a_kernel_and_pack_model_applies_it() -> None:
+def test_pack_model_replaces_the_layers_and_keeps_no_plain_weight() -> None:
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
     x = torch.randn(5, 64)
     with torch.inference_mode():
         expected = model(x)
     assert pack_model(model, torch.device("cpu"), torch.float32) == 2
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert len(packed) == 2 and len({m.mkl_rows for m in packed}) == 1
-    assert packed[0].mkl_rows in (512, None)
-    assert _calibrate(packed, repeats=1) in (512, None)
+    assert len(packed) == 2 and not list(model.parameters())
+    assert all(m.packed is not None and m.packed.is_mkldnn and m.panels is None for m in packed)
     with torch.inference_mode():
         assert torch.allclose(model(x), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_mkl_takes_many_rows_only_where_it_was_clearly_faster() -> None:
-    assert _choose({"onednn": 1.0, "mkl": 0.88}) == _MKL_ROWS
-    assert _choose({"onednn": 1.0, "mkl": 0.96}) is None  # within a noisy start's error: keep oneDNN
-    assert _choose({"onednn": 1.0, "mkl": 2.3}) is None  # AMD: MKL without its AVX-512 kernels
+class _Tied(nn.Module):
+    """A language model's ends whose output head shares the input embedding's table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 24)
+        self.head = nn.Linear(24, 100, bias=False)
+        self.head.weight = self.embed.weight
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def set_input_embeddings(self, module: nn.Module) -> None:
+        self.embed = module
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
 
 
-def test_calibration_times_each_decoder_shape_once_and_never_the_output_head(tiny_model_dir) -> None:
-    from engine.model import load_model
-    from engine.packing import _calibration_layers
-
-    model = load_model(str(tiny_model_dir), device="cpu").model  # packing is a CPU feature (CUDA too may be here)
+@pytest.mark.skipif(ops is None, reason="the native ops cannot be built here (no C++ compiler)")
+def test_a_tied_table_is_held_once_while_the_head_holds_panels() -> None:
+    assert ops is not None
+    model = _Tied()
+    table = model.embed.weight.detach().clone()
+    ids = torch.tensor([[0, 31, 32, 99], [5, 64, 63, 1]])
+    with torch.inference_mode():
+        expected = model(ids)
     pack_model(model, torch.device("cpu"), torch.float32)
-    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    head = model.get_output_embeddings()
-    assert isinstance(head, PackedLinear)
-    chosen = _calibration_layers(model, packed)
-    shapes = [(m.out_features, m.in_features) for m in chosen]
-    assert head not in chosen and len(shapes) == len(set(shapes))
-    assert set(shapes) == {(m.out_features, m.in_features) for m in packed if m is not head}
+    embed = model.get_input_embeddings()
+    assert isinstance(embed, TiedEmbedding) and embed.head is model.head and embed.weight is not None
+    use_panel_kernel(list(model.modules()), ops.panel_linear, ops.pack_panels)
+    assert embed.weight is None and model.head.panels is not None  # the table lives in the head's panels
+    with torch.inference_mode():
+        assert torch.equal(embed(ids), table[ids])  # rows read from the panels: exact
+        torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
+    use_panel_kernel(list(model.modules()), None)
+    assert embed.weight is not None and torch.equal(embed.weight, table)  # oneDNN's layout: the table is back
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
