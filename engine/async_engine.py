@@ -5,11 +5,11 @@
     RequestStream ◀─ detokenize, stop strings ◀── on_event("out") hopped onto the event loop
 
 The HTTP layer only sees this class: ``add_request`` raises typed errors before anything is
-sent, the returned stream yields ``RequestOutput`` deltas, ``abort`` frees blocks at once. The
-backend (see `engine.backends`) loads the model and steps it on one thread of its own; serving
-uses an engine process, tests and benchmarks may use a thread. If the engine process dies, every
-request in flight fails with a 503, the engine is restarted (``max_restarts`` within
-``RESTART_WINDOW_S``), and past that the ``on_fatal`` callback is told.
+sent, the returned stream yields ``RequestOutput`` deltas (built in `engine.request_streams`),
+``abort`` frees blocks at once. The backend (see `engine.backends`) loads the model and steps it
+on one thread of its own; serving uses an engine process, tests and benchmarks may use a thread.
+If the engine process dies, every request in flight fails with a 503, the engine is restarted
+(``max_restarts`` within ``RESTART_WINDOW_S``), and past that the ``on_fatal`` callback is told.
 """
 
 from __future__ import annotations
@@ -19,60 +19,21 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
-from cache.tiers import factory
 from engine.backends import ProcessBackend, ThreadBackend
 from engine.config import EngineConfig
-from engine.core import SeqOutput
-from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
 from engine.limits import RequestLimits
 from engine.loop import EngineInfo, FailInfo
-from engine.outputs import CompletionDelta, GenerateRequest, RequestMetrics, RequestOutput, TokenLogprob
+from engine.outputs import GenerateRequest, RequestOutput
+from engine.request_streams import RequestStream, RequestStreams
+from engine.tier_preflight import preflight_attach
 
 logger = logging.getLogger(__name__)
 
 RESTART_WINDOW_S = 300.0
 STATS_TIMEOUT_S = 10.0
-
-
-@dataclass(slots=True)
-class _Choice:
-    detok: IncrementalDetokenizer
-    finished: bool = False
-    num_tokens: int = 0
-
-
-@dataclass(slots=True)
-class _RequestState:
-    queue: asyncio.Queue
-    choices: list[_Choice]
-    metrics: RequestMetrics
-
-
-class RequestStream:
-    """Async iterator of one request's outputs; ends after the output marked ``finished``."""
-
-    def __init__(self, request_id: str, q: asyncio.Queue) -> None:
-        self.request_id = request_id
-        self._queue = q
-        self._done = False
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item.finished:
-            self._done = True
-        return item
 
 
 class AsyncEngine:
@@ -89,7 +50,7 @@ class AsyncEngine:
         self.info: EngineInfo | None = None
         self.tokenizer: Any = None
         self.restarts: list[float] = []
-        self._streams: dict[str, _RequestState] = {}
+        self._streams = RequestStreams()
         self._waiters: dict[int, asyncio.Future[Any]] = {}  # replies to "stats" and "tiers"
         self._reply_tokens = itertools.count()
         self._last_stats: dict[str, Any] = {}
@@ -205,20 +166,14 @@ class AsyncEngine:
                 f"this request brings {size} (server.max_queue = {self.max_queue}); retry shortly")
         streams = []
         for request in requests:
-            params = request.params
-            q: asyncio.Queue = asyncio.Queue()
-            choices = [_Choice(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop))
-                       for _ in range(params.n)]
-            metrics = RequestMetrics(prompt_tokens=len(request.prompt_token_ids), arrival_time=time.monotonic())
-            self._streams[request.request_id] = _RequestState(q, choices, metrics)
+            streams.append(self._streams.add(request, self.tokenizer))
             self.backend.send(("add", request))
-            streams.append(RequestStream(request.request_id, q))
         return streams
 
     @property
     def num_active_sequences(self) -> int:
         """Sequences of the requests in flight that have not finished (running or waiting)."""
-        return sum(not c.finished for state in self._streams.values() for c in state.choices)
+        return self._streams.num_active_sequences
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Convenience wrapper: add the request and yield its outputs, aborting if cancelled."""
@@ -231,14 +186,9 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its blocks; idempotent, safe after it finished."""
-        state = self._streams.pop(request_id, None)
-        if state is None:
-            return
-        self.backend.send(("abort", request_id))
-        deltas = [CompletionDelta(i, [], "", None, "abort")
-                  for i, c in enumerate(state.choices) if not c.finished]
-        state.metrics.finished_time = time.monotonic()
-        state.queue.put_nowait(RequestOutput(request_id, deltas, state.metrics, finished=True))
+        if request_id in self._streams:
+            self.backend.send(("abort", request_id))
+            self._streams.abort(request_id)
 
     async def stats(self) -> dict[str, Any]:
         """Queue, pool and cache figures from the engine (see ``EngineCore.stats``), plus streams.
@@ -260,20 +210,14 @@ class AsyncEngine:
     async def configure_tier(self, action: str, tier: str, options: dict[str, Any]) -> dict[str, Any]:
         """Attach or detach a cache tier in the running engine; returns what changed.
 
-        Raises ``InvalidRequestError`` with the engine's reason when it cannot be done. A tier
-        kind's preflight runs here first (a store must answer: asked here, so the step loop never
-        waits on the network); a tier that fails it is refused and nothing is attached.
+        Raises ``InvalidRequestError`` with the engine's reason when it cannot be done. An attach
+        runs the tier kind's preflight here first (see `engine.tier_preflight`); a tier that fails
+        it is refused and nothing is attached.
         """
         if not self.ready:
             raise EngineNotReadyError("the engine is not ready; retry shortly")
-        if action == "attach" and tier in factory.KINDS:
-            try:  # (the engine validates again, with the same model, when it builds the tier)
-                chosen = factory.validate(tier, self.backend.config.tier_options().get(tier, {}), options)
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc), param="tier") from None
-            problem = await factory.preflight(tier, chosen)
-            if problem is not None:
-                raise InvalidRequestError(f"{problem}; not attached", param="tier")
+        if action == "attach":
+            await preflight_attach(self.backend.config, tier, options)
         reply = await self._call("tiers", action, tier, options)
         if not reply.get("ok"):
             raise InvalidRequestError(reply.get("error", "tier change failed"), param="tier")
@@ -323,9 +267,9 @@ class AsyncEngine:
     def _handle_event(self, event: tuple[Any, ...]) -> None:
         kind = event[0]
         if kind == "out":
-            self._dispatch(event[1])
+            self._streams.dispatch(event[1], self._stop_choice)
         elif kind == "fail":
-            self._fail(event[1], event[2].error() if isinstance(event[2], FailInfo) else event[2])
+            self._streams.fail(event[1], event[2].error() if isinstance(event[2], FailInfo) else event[2])
         elif kind == "reply":
             future = self._waiters.pop(event[1], None)
             if future is not None and not future.done():
@@ -336,10 +280,8 @@ class AsyncEngine:
             if self.on_stop is not None:
                 self.on_stop(event[1])
 
-    def _fail(self, request_id: str, exc: BaseException) -> None:
-        state = self._streams.pop(request_id, None)
-        if state is not None:
-            state.queue.put_nowait(exc)
+    def _stop_choice(self, request_id: str, index: int) -> None:
+        self.backend.send(("stop_choice", request_id, index))
 
     def _on_dead(self, reason: str) -> None:
         if not self._alive:
@@ -348,8 +290,7 @@ class AsyncEngine:
         logger.error("engine process stopped unexpectedly (%s); failing %d requests in flight",
                      reason, len(self._streams))
         error = EngineDeadError(f"the engine process stopped unexpectedly ({reason}); retry shortly")
-        for request_id in list(self._streams):
-            self._fail(request_id, error)
+        self._streams.fail_all(error)
         for future in self._waiters.values():
             if not future.done():
                 future.set_exception(error)
@@ -380,45 +321,3 @@ class AsyncEngine:
         logger.error("%s", exc)
         if self.on_fatal is not None:
             self.on_fatal(exc)
-
-    # ---- outputs ----------------------------------------------------------------------------
-    def _dispatch(self, outputs: list[SeqOutput]) -> None:
-        now = time.monotonic()
-        by_request: dict[str, list[CompletionDelta]] = {}
-        for out in outputs:
-            state = self._streams.get(out.request_id)
-            if state is None:
-                continue
-            choice = state.choices[out.index]
-            if choice.finished:
-                continue
-            metrics = state.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            if out.index == 0 and choice.num_tokens == 0:  # siblings hit choice 0's prompt blocks
-                metrics.cached_tokens = out.num_cached_tokens
-            choice.num_tokens += 1
-            metrics.completion_tokens += 1
-            metrics.token_times.append(now)
-            text = choice.detok.add([out.token_id])
-            reason = out.finish_reason
-            if choice.detok.stopped:
-                if reason is None:
-                    self.backend.send(("stop_choice", out.request_id, out.index))
-                reason = "stop"
-            elif reason is not None:
-                text += choice.detok.finish()
-                if choice.detok.stopped:  # the flushed tail completed a stop string
-                    reason = "stop"
-            if reason is not None:
-                choice.finished = True
-            logprobs: list[TokenLogprob] | None = [out.logprob] if out.logprob is not None else None
-            by_request.setdefault(out.request_id, []).append(
-                CompletionDelta(out.index, [out.token_id], text, logprobs, reason))  # type: ignore[arg-type]
-        for request_id, deltas in by_request.items():
-            state = self._streams[request_id]
-            finished = all(c.finished for c in state.choices)
-            if finished:
-                state.metrics.finished_time = now
-                del self._streams[request_id]
-            state.queue.put_nowait(RequestOutput(request_id, deltas, state.metrics, finished=finished))
