@@ -112,6 +112,19 @@ def load_model(model: str, dtype: str = "float32", device: str = "auto") -> Load
     )
 
 
+def context_limit(hf_config: Any, max_model_len: int) -> int:
+    """The longest context the engine serves: the configured limit, within the model's position
+    embeddings and, for sliding-window attention, the window (the paged kernel attends to the
+    whole context, so longer would not be what the model was trained on)."""
+    limit = min(max_model_len, getattr(hf_config, "max_position_embeddings", 1 << 30))
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True) and window < limit:
+        logger.warning("model uses sliding-window attention (%d tokens); the paged kernel attends to the "
+                       "whole context, so max_model_len is capped at the window", window)
+        limit = int(window)
+    return limit
+
+
 def load_tokenizer(path: str) -> Any:
     """The tokenizer of a resolved model folder (what the API process needs to detokenize)."""
     from transformers import AutoTokenizer
