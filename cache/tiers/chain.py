@@ -30,7 +30,8 @@ from cache.quota import UNKNOWN
 from cache.telemetry import OpTimes
 from cache.tiers.base import SharedTier, Tier, TierSnapshot
 from cache.tiers.ioloop import IOLoop
-from cache.tiers.loads import LoadPath, Reservation
+from cache.tiers.loads import LoadPath
+from cache.tiers.prefetch import Reservation
 from cache.tiers.state import PERSIST_MODES, ChainStats, _asdict
 from cache.tiers.writes import FLUSH_WINDOW, RETRY
 

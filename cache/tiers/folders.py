@@ -1,4 +1,5 @@
-"""Which folders may be attached as a disk tier at run time (`POST /admin/tiers`).
+"""Folder checks of the disk tier: which folders may be attached at run time (`POST /admin/tiers`),
+and whether the folder a tier indexed is still the one there (`identity`).
 
 The configured folder is trusted: it comes from the operator's file or command line. A folder
 named over HTTP is not: it must be absolute (a relative one would resolve against the server's
@@ -10,6 +11,7 @@ nor ``..`` can lead out.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 #: Folders of the operating system a cache must never be written into (nor anything below them).
@@ -38,3 +40,12 @@ def attachable_folder(path: str, allowed_root: str | None = None) -> Path:
             raise ValueError(f"the disk tier's path must lie inside [cache.disk] allowed_root {allowed_root!r}, "
                              f"got {path!r}")
     return Path(resolved)
+
+
+def identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the folder at ``path``, None if there is none (a link is not one)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino) if stat.S_ISDIR(info.st_mode) else None

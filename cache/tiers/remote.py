@@ -23,6 +23,7 @@ from typing import Any
 
 from cache.telemetry import AccessPattern, BlockLife
 from cache.tiers.base import TierTraits
+from cache.tiers.breaker import CircuitBreaker
 from cache.tiers.codec import (
     HEADER_SIZE,
     BlockFormat,
@@ -41,40 +42,6 @@ logger = logging.getLogger(__name__)
 # the I/O loop without a break, so a whole prompt's write-through in one pipeline would hold
 # every lookup and load behind it (docs/tiers.md, "Figures behind the code").
 WRITE_PIPELINE_BYTES = 4 << 20
-
-
-class CircuitBreaker:
-    """closed → (N failures) → open for a while → half-open (one probe) → closed or open."""
-
-    def __init__(self, failures_to_open: int = 3, open_s: float = 5.0) -> None:
-        self.failures_to_open = failures_to_open
-        self.open_s = open_s
-        self.failures = 0
-        self.opened_at: float | None = None
-        self.trips = 0
-
-    @property
-    def state(self) -> str:
-        if self.opened_at is None:
-            return "closed"
-        return "open" if time.monotonic() - self.opened_at < self.open_s else "half-open"
-
-    def allow(self) -> bool:
-        return self.state != "open"
-
-    def success(self) -> None:
-        if self.opened_at is not None:
-            logger.info("remote cache reachable again; circuit closed")
-        self.failures = 0
-        self.opened_at = None
-
-    def failure(self) -> None:
-        self.failures += 1
-        if self.opened_at is not None or self.failures >= self.failures_to_open:
-            if self.opened_at is None:
-                self.trips += 1
-            self.opened_at = time.monotonic()
-
 
 WRITE_MODES = ("through", "back")
 

@@ -109,6 +109,10 @@ class ChainState:
         """The first store tier holding ``key``, or None."""
         return next((store for store in self.stores if key in store), None)
 
+    def on_lower_tier(self, key: bytes) -> bool:
+        """Whether the block can be promoted without a read: in host, staged, or being written."""
+        return (self.memory is not None and key in self.memory) or key in self._staged or key in self._writing
+
     def tier(self, name: str) -> Any:
         """The attached tier called ``name``, or None."""
         return next((t for t in self.tiers if t.name == name), None)
