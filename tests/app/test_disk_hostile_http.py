@@ -22,6 +22,11 @@ NO_HOST = f"""
 [model]
 path = "tiny"
 
+[engine]
+# Steps this small never measure the prefill rate, so a disk hit is always loaded rather than
+# weighed against recomputing (the tiny model recomputes faster than a disk read's latency).
+max_num_batched_tokens = 128
+
 [cache]
 block_size = 16
 
