@@ -127,11 +127,17 @@ class _Worker:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tree", action="append", default=[], help="NAME=PATH of a KVGate source tree (repeatable)")
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--repeats", type=int, default=3, help="timings per kind and round")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.weights_bench", description=__doc__.split("\n\n")[0],
+        epilog="Each tree runs in a worker process of its own; compare trees only within one run, on a quiet machine.")
+    parser.add_argument("--tree", action="append", default=[],
+                        help="NAME=PATH of a KVGate source tree (repeatable; default: this checkout as 'this')")
+    parser.add_argument("--model", default="default",
+                        help="model: 'default' (SmolLM2-135M-Instruct, converted on first use), 'tiny', or a folder "
+                             "(default: default)")
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="rounds; each asks every tree in turn, the order alternating (default 7)")
+    parser.add_argument("--repeats", type=int, default=3, help="timings per kind, tree and round (default 3)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
