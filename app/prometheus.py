@@ -27,6 +27,7 @@ TIER_COUNTERS = {  # TierStats field → (metric suffix, help)
     "write_time_s": ("write_seconds", "Time spent in the tier's writes"),
     "errors": ("errors", "Failed tier operations (they degrade to a miss)"),
     "corrupt": ("corrupt_blocks", "Blocks found damaged or foreign, deleted and counted as misses"),
+    "undecodable": ("undecodable_blocks", "Records of a KV codec this server does not know, deleted and counted as misses"),
     "dropped": ("dropped_blocks", "Blocks not stored: back-pressure or a failed write"),
     "metadata_bytes": ("metadata_bytes", "Bytes describing blocks: keys, record headers, existence checks"),
     "handovers": ("handovers", "Blocks moved between the device pool and the tier by trading rows, no bytes copied "

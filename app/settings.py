@@ -94,6 +94,9 @@ class DiskCacheSettings(_Section):
     # only the last moments' blocks and evicting them costs no write; on_evict: a block is
     # written when it leaves host memory (docs/tiers.md, "Crash loss")
     persist: Literal["on_evict", "behind"] = "behind"
+    # how blocks are encoded on disk: none (as they are, lossless) | bf16 | fp16 | int8 (lossy,
+    # 2x / 2x / ~4x smaller); records of any codec are read (docs/tiers.md, "Codecs")
+    codec: Literal["none", "bf16", "fp16", "int8"] = "none"
 
     def resolved_path(self) -> str:
         from engine.tiny_model import cache_root
@@ -115,6 +118,8 @@ class RemoteCacheSettings(_Section):
     write: Literal["through", "back"] = "through"
     # how long one pipeline may take before it counts as a failure (three in a row open the breaker)
     timeout_s: float = Field(default=0.5, gt=0)
+    # how values are encoded in the store, as [cache.disk] codec
+    codec: Literal["none", "bf16", "fp16", "int8"] = "none"
 
     @field_validator("url")
     @classmethod
@@ -228,6 +233,7 @@ class Settings(_Section):
                 disk_allowed_root=self.cache.disk.allowed_root,
                 tier_policy=self.cache.eviction,
                 disk_persist=self.cache.disk.persist,
+                disk_codec=self.cache.disk.codec,
                 flush_on_shutdown_s=min(10.0, self.server.shutdown_timeout_s + 5.0),
                 **self._remote_fields(),
             )
@@ -239,7 +245,7 @@ class Settings(_Section):
         if remote is None or not remote.url:
             return {}
         return {"remote_cache_url": remote.url, "remote_cluster": remote.cluster, "remote_ttl_s": remote.ttl_s,
-                "remote_write": remote.write, "remote_timeout_s": remote.timeout_s}
+                "remote_write": remote.write, "remote_timeout_s": remote.timeout_s, "remote_codec": remote.codec}
 
     def tenant_registry(self, env: Mapping[str, str] | None = None) -> TenantRegistry:
         """Hash the keys and derive the salts (loads or creates the server secret)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cache.tiers import factory
+from cache.tiers.kv_codec import CODECS
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -38,6 +39,7 @@ class EngineConfig:
     disk_cache_path: str | None = None
     disk_cache_mb: int = 10240
     disk_load_timeout_s: float = 0.5  # deadline of one disk read batch; past it the request recomputes
+    disk_codec: str = "none"  # none | bf16 | fp16 | int8: how disk records encode blocks (cache.tiers.kv_codec)
     disk_allowed_root: str | None = None  # where POST /admin/tiers may attach a disk tier (None: anywhere but system folders)
     tier_policy: str = "lru"  # lru | s3fifo, for host and disk
     # CPU: the host tier keeps its blocks in spare rows of the device pool's tensor and moves them
@@ -52,6 +54,7 @@ class EngineConfig:
     remote_ttl_s: int = 86400
     remote_write: str = "through"  # through: as computed | back: when leaving host
     remote_timeout_s: float = 0.5
+    remote_codec: str = "none"  # none | bf16 | fp16 | int8, as disk_codec
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -63,6 +66,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.host_cache_mb < 0:
             raise ValueError(f"host_cache_mb must be >= 0 (0: no host tier), got {self.host_cache_mb!r}")
+        for name in ("disk_codec", "remote_codec"):
+            if getattr(self, name) not in CODECS:
+                raise ValueError(f"{name} must be one of {', '.join(CODECS)}, got {getattr(self, name)!r}")
         options = self.tier_options()
         for name in self.tiers_on():  # each kind's own options model says what is wrong
             factory.validate(name, options[name])
@@ -81,9 +87,9 @@ class EngineConfig:
         return {
             "host": {"capacity_mb": self.host_cache_mb or 1024},
             "disk": {"path": self.disk_cache_path or "", "capacity_mb": self.disk_cache_mb,
-                     "load_timeout_s": self.disk_load_timeout_s},
+                     "load_timeout_s": self.disk_load_timeout_s, "codec": self.disk_codec},
             "remote": {"url": self.remote_cache_url or "", "cluster": self.remote_cluster, "ttl_s": self.remote_ttl_s,
-                       "write": self.remote_write, "timeout_s": self.remote_timeout_s},
+                       "write": self.remote_write, "timeout_s": self.remote_timeout_s, "codec": self.remote_codec},
         }
 
     def tiers_on(self) -> list[str]:

@@ -139,7 +139,8 @@ class TierSnapshot:
 
     counters: dict[str, Any] = _doc("every `TierStats` counter, flat: hits, misses, puts, evictions, "
                                     "bytes_read, bytes_written, reads, writes, read_time_s, write_time_s, "
-                                    "errors, corrupt, dropped, metadata_bytes, handovers, timeouts, lost")
+                                    "errors, corrupt, dropped, metadata_bytes, handovers, timeouts, lost, "
+                                    "undecodable (bytes count records as stored: encoded)")
     blocks: int = _doc("blocks the tier holds (0 where it cannot know without a scan)", 0)
     capacity_blocks: int = _doc("blocks it can hold (0: bounded outside KVGate, e.g. Redis memory and TTL)", 0)
     bytes: int = _doc("bytes it holds", 0)
@@ -149,7 +150,7 @@ class TierSnapshot:
     load_samples: int = _doc("loads observed", 0)
     load_sample_age_s: float | None = _doc("seconds since the last load observed", None)
     traits: dict[str, Any] = _doc("what it declares: locality, lifetime, substrate, shared, role", None)
-    detail: dict[str, Any] = _doc("what `describe()` adds, flat: e.g. path, healthy, url, breaker, write, quota", None)
+    detail: dict[str, Any] = _doc("what `describe()` adds, flat: e.g. path, healthy, url, breaker, write, quota, codec", None)
 
     @classmethod
     def of(cls, tier: Tier) -> TierSnapshot:

@@ -6,10 +6,12 @@
     disk_index.py   DiskIndex: the blocks the folder holds, eviction order, owners, the folder
     disk_files.py   one block file: named, scanned, read and checked, written atomically
 
-Files hold `codec` records (header + payload). Reads and writes are coroutines run on the chain's
+Files hold `codec` records (header + payload), written with the tier's codec (`kv_codec`: the
+payload encoded on the writer thread) and read whatever codec they were written with (decoded on
+the reader thread, into the destination slot). Reads and writes are coroutines run on the chain's
 I/O event loop, never on the step loop; each batch of file work is one call on a worker thread.
 Writes are demotions nobody waits for, so they run on the chain's writer threads, below the step
-loop's CPU priority. Capacity is counted in blocks (``capacity_bytes`` // record size). A
+loop's CPU priority. Capacity is counted in bytes of records as stored (`DiskIndex`). A
 corrupt, truncated or foreign file is a miss: it is deleted and counted. I/O errors (read-only
 folder, disk full) are counted and logged once per kind; the block is simply not stored.
 
@@ -33,8 +35,8 @@ from typing import Any
 
 from cache.quota import UNKNOWN, pick_victim
 from cache.tiers.base import TierTraits
-from cache.tiers.codec import HEADER_SIZE, BlockFormat, CorruptBlockError, encode_header
-from cache.tiers.disk_files import SUFFIX, read_files, temp_path, unlink, write_file_async
+from cache.tiers.codec import HEADER_SIZE, BlockFormat, CorruptBlockError, UndecodableBlockError
+from cache.tiers.disk_files import SUFFIX, Loaded, read_files, temp_path, unlink, write_record_async
 from cache.tiers.disk_index import DiskIndex
 from cache.tiers.readers import ReaderPool, ReadersStalled
 from cache.tiers.stats import RateEstimate
@@ -54,7 +56,8 @@ class DiskTier(DiskIndex):
     traits = TierTraits(locality="node-ssd", lifetime="persistent", substrate="nvme-fs", shared=False, role="store")
 
     def __init__(self, path: str | Path, capacity_bytes: int, fmt: BlockFormat, policy: str = "lru",
-                 load_timeout_s: float = LOAD_TIMEOUT_S, read_threads: int = min(4, os.cpu_count() or 1)) -> None:
+                 load_timeout_s: float = LOAD_TIMEOUT_S, read_threads: int = min(4, os.cpu_count() or 1),
+                 codec: str = "none") -> None:
         if load_timeout_s <= 0:
             raise ValueError(f"load_timeout_s must be positive, got {load_timeout_s!r}")
         # the deadline the chain gives each read batch; a reader thread past it no longer counts
@@ -64,7 +67,7 @@ class DiskTier(DiskIndex):
         self.rate = RateEstimate(bytes_per_s=500e6, latency_s=2e-3)
         self._logged: set[str] = set()
         self._stall_logged = -STALL_LOG_EVERY_S
-        super().__init__(path, capacity_bytes, fmt, policy)
+        super().__init__(path, capacity_bytes, fmt, policy, codec)
 
     # ---- I/O (the chain's I/O loop) -----------------------------------------------------------
     async def read(self, key: bytes) -> memoryview | None:
@@ -89,7 +92,7 @@ class DiskTier(DiskIndex):
         with self._lock:
             wanted = [(key, dest) for key, dest in zip(keys, dests, strict=True) if key in self._index]
         t0 = time.perf_counter()
-        results: dict[bytes, memoryview | OSError | CorruptBlockError] = {}
+        results: dict[bytes, Loaded | OSError | CorruptBlockError] = {}
         if wanted:
             try:
                 found = await asyncio.wrap_future(self.readers.submit(self._read_files, wanted))
@@ -104,7 +107,7 @@ class DiskTier(DiskIndex):
             if result is None:  # not in the index when asked
                 self.stats.misses += 1
                 out.append(None)
-            elif isinstance(result, memoryview):
+            elif isinstance(result, Loaded):
                 with self._lock:
                     self.policy.touch(key)
                     self.ledger.touch(key)
@@ -112,8 +115,8 @@ class DiskTier(DiskIndex):
                 self.stats.hits += 1
                 self.stats.metadata_bytes += HEADER_SIZE
                 self.stats.reads += 1
-                self.stats.bytes_read += HEADER_SIZE + result.nbytes
-                out.append(result)
+                self.stats.bytes_read += result.stored  # the record as stored (encoded)
+                out.append(result.payload)
             elif isinstance(result, FileNotFoundError):
                 self._forget(key)
                 self.stats.misses += 1
@@ -123,7 +126,10 @@ class DiskTier(DiskIndex):
                 logger.warning("disk cache: %s is unusable (%s); deleted", self.path_of(key).name, result)
                 self._forget(key)
                 unlink(self.path_of(key))
-                self.stats.corrupt += 1
+                if isinstance(result, UndecodableBlockError):
+                    self.stats.undecodable += 1
+                else:
+                    self.stats.corrupt += 1
                 self.stats.misses += 1
                 out.append(None)
             else:
@@ -135,7 +141,7 @@ class DiskTier(DiskIndex):
         return out
 
     def _read_files(self, items: Sequence[tuple[bytes, memoryview | None]]
-                    ) -> list[memoryview | OSError | CorruptBlockError]:
+                    ) -> list[Loaded | OSError | CorruptBlockError]:
         """Read and check the files of ``items`` (key, destination or None): `disk_files.read_files`
         on a reader thread. No index or stats here."""
         return read_files(self.fmt, self.dir, items)
@@ -143,9 +149,13 @@ class DiskTier(DiskIndex):
     async def write(self, key: bytes, payload: bytes | memoryview, owner: str = UNKNOWN,
                     executor: Executor | None = None) -> bool:
         """Store a block atomically for ``owner``; True if it is on disk afterwards (False also for
-        an owner whose disk quota is 0). The file is written, synced and renamed by one call on a
-        worker thread of ``executor`` (default: the loop's), header and payload without joining them."""
-        header = encode_header(self.fmt, key, payload)  # before reserving: a bad payload must not leak a slot
+        an owner whose disk quota is 0). The block is encoded with the tier's codec, and the file
+        written, synced and renamed, by one call on a worker thread of ``executor`` (default: the
+        loop's), header and payload without joining them."""
+        if memoryview(payload).nbytes != self.fmt.payload_size:  # before reserving: must not leak a slot
+            raise ValueError(f"payload is {memoryview(payload).nbytes} bytes, the block format says "
+                             f"{self.fmt.payload_size}")
+        size = self.record_size
         with self._lock:
             if key in self._index:
                 self.policy.touch(key)
@@ -153,30 +163,39 @@ class DiskTier(DiskIndex):
                 return True
             if not self.ledger.admits(owner):
                 return False
-            while len(self._index) + self._reserved >= self.capacity_blocks or self.ledger.at_quota(owner):
+            while self._full(size) or self.ledger.at_quota(owner):
                 if not self._index:  # every slot is taken by writes in flight
                     self.stats.dropped += 1
                     return False
                 self._drop(pick_victim(self.policy, self.ledger, owner))  # type: ignore[arg-type]
             self._reserved += 1
+            self._reserved_bytes += size
         final = self.path_of(key)
         tmp = temp_path(self.dir, key)
         t0 = time.perf_counter()
         try:
-            await write_file_async(tmp, final, header, payload, executor=executor)
+            await write_record_async(tmp, final, self.fmt, key, payload, self.codec, executor=executor)
         except OSError as exc:
             unlink(tmp)
             with self._lock:
                 self._reserved -= 1
+                self._reserved_bytes -= size
             self._error("write", exc)
             return False
+        except BaseException:  # (a cancellation): the slot must not leak
+            unlink(tmp)
+            with self._lock:
+                self._reserved -= 1
+                self._reserved_bytes -= size
+            raise
         elapsed = time.perf_counter() - t0
         with self._lock:
             self._reserved -= 1
+            self._reserved_bytes -= size
             if key in self._index:  # a concurrent write of the same block ended first: same bytes
                 self.policy.touch(key)
                 return True
-            self._index.add(key)
+            self._add(key, size)
             self.policy.insert(key)
             self.ledger.add(key, owner)
             self.life.inserted(key)
@@ -184,7 +203,7 @@ class DiskTier(DiskIndex):
         self.stats.metadata_bytes += HEADER_SIZE
         self.stats.writes += 1
         self.stats.write_time_s += elapsed
-        self.stats.bytes_written += self.fmt.record_size
+        self.stats.bytes_written += size  # the record as stored (encoded)
         return True
 
     def _error(self, op: str, exc: OSError) -> None:
@@ -200,7 +219,7 @@ class DiskTier(DiskIndex):
     # ---- health (any thread) ------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         problem = self.health()  # (it may recover the folder)
-        return {"quota": self.ledger.snapshot(), "path": str(self.dir), "healthy": problem is None,
+        return {"quota": self.ledger.snapshot(), "path": str(self.dir), "codec": self.codec, "healthy": problem is None,
                 "unhealthy_reason": problem, "load_timeout_s": self.load_timeout_s,
                 "stuck_reads": self.readers.stuck}
 

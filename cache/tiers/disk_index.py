@@ -2,7 +2,9 @@
 
 The index is the folder's block files (`disk_files.scan`: names and sizes, no metadata file to
 get out of step), in eviction order by modification time, each block with its owner for tenant
-quotas. Blocks outlive restarts: the index is rebuilt when the tier starts. It is read by the
+quotas and its record's size: capacity is counted in bytes of records as stored (encoded), so a
+tier whose codec halves a block holds twice the blocks; ``capacity_blocks`` is what the capacity
+holds of blocks of the tier's own codec. Blocks outlive restarts: the index is rebuilt when the tier starts. It is read by the
 step loop and changed by the I/O loop, under one lock. A folder that vanished under it is made
 again (its blocks counted lost), and another folder found in its place is indexed afresh.
 """
@@ -19,6 +21,7 @@ from cache.telemetry import BlockLife
 from cache.tiers.codec import BlockFormat
 from cache.tiers.disk_files import HASH_HEX, SUFFIX, block_path, scan, unlink
 from cache.tiers.folders import identity
+from cache.tiers.kv_codec import CODECS, check_codec
 from cache.tiers.policy import make_policy
 from cache.tiers.stats import TierStats
 
@@ -28,22 +31,28 @@ logger = logging.getLogger(__name__)
 class DiskIndex:
     """The index half of `DiskTier`: its folder, the blocks in it, their eviction order and owners."""
 
-    def __init__(self, path: str | Path, capacity_bytes: int, fmt: BlockFormat, policy: str = "lru") -> None:
+    def __init__(self, path: str | Path, capacity_bytes: int, fmt: BlockFormat, policy: str = "lru",
+                 codec: str = "none") -> None:
         self.fmt = fmt
+        self.codec = check_codec(codec)  # how blocks are written; any codec is read
+        self.record_size = fmt.record_size_of(codec)  # bytes of one record written here
         self.root = Path(path).expanduser()
         self.dir = self.root / fmt.fingerprint.hex()[:16]
-        self.capacity_blocks = capacity_bytes // fmt.record_size
+        self.capacity_bytes = capacity_bytes
+        self.capacity_blocks = capacity_bytes // self.record_size
         if self.capacity_blocks <= 0:
-            raise ValueError(f"disk tier of {capacity_bytes} bytes holds no block of {fmt.record_size} bytes")
+            raise ValueError(f"disk tier of {capacity_bytes} bytes holds no block of {self.record_size} bytes")
         self.policy = make_policy(policy, self.capacity_blocks)
         self.policy_name = policy
         self.stats = TierStats()
         self.life = BlockLife()  # written on the I/O loop (reads, writes, evictions)
         self._lock = threading.Lock()  # the index is read by the step loop, changed by the I/O loop
-        self._index: set[bytes] = set()
+        self._index: dict[bytes, int] = {}  # block → bytes of its record
+        self._bytes = 0  # of the records indexed
         # who wrote each block (files found at start: unknown); tenants' disk quotas
         self.ledger = QuotaLedger(self.capacity_blocks)
         self._reserved = 0  # slots held by writes in flight
+        self._reserved_bytes = 0  # their records' bytes
         self._folder_problem: str | None = None  # why the folder cannot be used now (None: it can)
         self._folder_lock = threading.Lock()  # one thread at a time recovers a vanished folder
         try:
@@ -67,7 +76,12 @@ class DiskIndex:
 
     @property
     def nbytes(self) -> int:
-        return len(self) * self.fmt.record_size
+        return self._bytes
+
+    def _full(self, size: int) -> bool:
+        """Whether a record of ``size`` bytes more would not fit. Holds ``_lock``."""
+        return (len(self._index) + self._reserved >= self.capacity_blocks
+                or self._bytes + self._reserved_bytes + size > self.capacity_bytes)
 
     def path_of(self, key: bytes) -> Path:
         return block_path(self.dir, key)
@@ -75,21 +89,30 @@ class DiskIndex:
     # ---- changes -----------------------------------------------------------------------------
     def _rebuild(self) -> int:
         """Index the block files in the folder, oldest first, down to capacity; how many."""
-        keys, corrupt = scan(self.dir, self.fmt.record_size)
+        found, corrupt = scan(self.dir, {self.fmt.record_size_of(codec) for codec in CODECS})
         self.stats.corrupt += corrupt
-        for key in keys:
-            self._index.add(key)
+        for key, size in found:
+            self._add(key, size)
             self.policy.insert(key)
             self.ledger.add(key, UNKNOWN)
-        while len(self._index) > self.capacity_blocks:
+        while len(self._index) > self.capacity_blocks or self._bytes > self.capacity_bytes:
             self._drop(self.policy.evict())  # type: ignore[arg-type]
         if self._index:
             logger.info("disk cache: %d blocks found in %s", len(self._index), self.dir)
         return len(self._index)
 
+    def _add(self, key: bytes, size: int) -> None:
+        """Index ``key``, whose record takes ``size`` bytes. Holds ``_lock``."""
+        self._index[key] = size
+        self._bytes += size
+
+    def _discard(self, key: bytes) -> None:
+        """Take ``key`` out of the index (and its bytes out of the count). Holds ``_lock``."""
+        self._bytes -= self._index.pop(key, 0)
+
     def _drop(self, key: bytes) -> None:
         """Evict ``key`` (the policy already let it go) and delete its file. Holds ``_lock``."""
-        self._index.discard(key)
+        self._discard(key)
         self.ledger.remove(key)
         self.life.removed(key)
         unlink(self.path_of(key))
@@ -108,7 +131,7 @@ class DiskIndex:
         with self._lock:
             if key not in self._index:
                 return False
-            self._index.discard(key)
+            self._discard(key)
             self.policy.remove(key)
             self.ledger.remove(key)
             self.life.removed(key)
@@ -119,7 +142,7 @@ class DiskIndex:
         """Take ``key`` out of the index, leaving its file (if any) to the caller."""
         with self._lock:
             if key in self._index:
-                self._index.discard(key)
+                self._discard(key)
                 self.policy.remove(key)
                 self.ledger.remove(key)
                 self.life.removed(key)
@@ -169,6 +192,7 @@ class DiskIndex:
             self.ledger.remove(key)
             self.life.removed(key)
         self._index.clear()
+        self._bytes = 0
         return lost
 
     def check_invariants(self) -> None:
@@ -176,5 +200,6 @@ class DiskIndex:
             assert len(self.policy) == len(self._index)
             assert len(self.ledger) == len(self._index)
             assert len(self._index) <= self.capacity_blocks
+            assert self._bytes == sum(self._index.values()) <= self.capacity_bytes
             on_disk = {p.name[:HASH_HEX] for p in self.dir.glob("*" + SUFFIX)}  # foreign names too
             assert {k.hex() for k in self._index} <= on_disk, "index names files that do not exist"

@@ -23,6 +23,7 @@ from cache.tiers.codec import BlockFormat
 from cache.tiers.disk import LOAD_TIMEOUT_S, DiskTier
 from cache.tiers.folders import attachable_folder
 from cache.tiers.host import HostTier
+from cache.tiers.kv_codec import CODECS
 from cache.tiers.remote import RemoteTier, reach_store, safe_url
 
 
@@ -69,6 +70,12 @@ class _Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# how a store encodes the blocks it writes (cache/tiers/kv_codec.py); the host tier has none: it
+# shares its rows with the device pool
+Codec = Literal["none", "bf16", "fp16", "int8"]
+assert CODECS == Codec.__args__  # type: ignore[attr-defined]
+
+
 class HostOptions(_Options):
     capacity_mb: int = Field(gt=0)
 
@@ -77,6 +84,7 @@ class DiskOptions(_Options):
     path: str = Field(min_length=1)
     capacity_mb: int = Field(default=10240, gt=0)
     load_timeout_s: float = Field(default=LOAD_TIMEOUT_S, gt=0)
+    codec: Codec = "none"
 
 
 class RemoteOptions(_Options):
@@ -85,6 +93,7 @@ class RemoteOptions(_Options):
     ttl_s: int = Field(default=86400, gt=0)
     write: Literal["through", "back"] = "through"
     timeout_s: float = Field(default=0.5, gt=0)
+    codec: Codec = "none"
 
     @field_validator("url")
     @classmethod
@@ -104,11 +113,13 @@ def _host(options: HostOptions, ctx: BuildContext) -> HostTier:
 
 def _disk(options: DiskOptions, ctx: BuildContext) -> DiskTier:
     path = options.path if ctx.trusted else str(attachable_folder(options.path, ctx.allowed_root))
-    return DiskTier(path, options.capacity_mb << 20, ctx.fmt, ctx.policy, load_timeout_s=options.load_timeout_s)
+    return DiskTier(path, options.capacity_mb << 20, ctx.fmt, ctx.policy, load_timeout_s=options.load_timeout_s,
+                    codec=options.codec)
 
 
 def _remote(options: RemoteOptions, ctx: BuildContext) -> RemoteTier:
-    return RemoteTier(options.url, ctx.fmt, options.ttl_s, options.cluster, options.timeout_s, write_mode=options.write)
+    return RemoteTier(options.url, ctx.fmt, options.ttl_s, options.cluster, options.timeout_s, write_mode=options.write,
+                      codec=options.codec)
 
 
 async def _reach(options: RemoteOptions) -> str | None:
@@ -138,9 +149,9 @@ def unregister(name: str) -> None:
 
 
 register(TierKind("host", HostOptions, _host, http_fields=frozenset({"capacity_mb"})))
-register(TierKind("disk", DiskOptions, _disk, http_fields=frozenset({"path", "capacity_mb"})))
+register(TierKind("disk", DiskOptions, _disk, http_fields=frozenset({"path", "capacity_mb", "codec"})))
 register(TierKind("remote", RemoteOptions, _remote, _reach,
-                  http_fields=frozenset({"url", "cluster", "ttl_s", "write"})))
+                  http_fields=frozenset({"url", "cluster", "ttl_s", "write", "codec"})))
 
 
 def kind_of(name: str) -> TierKind:

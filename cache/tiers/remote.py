@@ -3,6 +3,9 @@
     key   kvgate:<model fingerprint hex>:<block hash hex>      (no token ids, no text, no tenant)
     value a `codec` record (header + payload), with a TTL
 
+Values are written with the tier's codec (`kv_codec`, encoded on the sender thread) and read
+whatever codec they carry: ``none`` straight into the host slot, others decoded into it on arrival.
+
 All calls are coroutines for the chain's I/O loop, batched in pipelines (one round trip for the
 existence check of a whole prompt, one for its loads, one per batch of writes). A slow or dead
 Redis must never fail or stall a request: every batch has a timeout, and a circuit breaker opens
@@ -28,11 +31,13 @@ from cache.tiers.codec import (
     HEADER_SIZE,
     BlockFormat,
     CorruptBlockError,
+    UndecodableBlockError,
     check,
     decode,
-    encode,
     encode_header,
+    encode_record,
 )
+from cache.tiers.kv_codec import check_codec
 from cache.tiers.resp import GetPipe, RespError, SetPipe, endpoint
 from cache.tiers.stats import RateEstimate, TierStats
 
@@ -52,11 +57,14 @@ class RemoteTier:
 
     def __init__(self, url: str, fmt: BlockFormat, ttl_s: int = 86400, cluster: bool = False,
                  timeout_s: float = 0.5, failures_to_open: int = 3, open_s: float = 5.0,
-                 write_mode: str = "through") -> None:
-        """``write_mode``: "through" sends blocks when computed, "back" when they leave host memory."""
+                 write_mode: str = "through", codec: str = "none") -> None:
+        """``write_mode``: "through" sends blocks when computed, "back" when they leave host memory;
+        ``codec``: how blocks are encoded when written (any codec is read)."""
         if write_mode not in WRITE_MODES:
             raise ValueError(f"write must be through or back, got {write_mode!r}")
         self.write_mode = write_mode
+        self.codec = check_codec(codec)
+        self.record_size = fmt.record_size_of(codec)  # bytes of one value written here
         self.url = url
         self.fmt = fmt
         self.ttl_s = ttl_s
@@ -98,6 +106,7 @@ class RemoteTier:
         return {"url": self.safe_url(), "cluster": self.cluster,
                 "label": "remote Redis Cluster" if self.cluster else "",
                 "breaker": self.breaker.state, "breaker_trips": self.breaker.trips, "write": self.write_mode,
+                "codec": self.codec,
                 "exists_checks": self.exists_checks, "exists_time_s": self.exists_time_s,
                 "quota": {"accounted_owners": self.accounted_owners, "quota_evictions": self.quota_evictions}}
 
@@ -188,20 +197,24 @@ class RemoteTier:
         ``dests[i]``, where given, is a writable buffer of one payload's size (a host slot): the
         payload of ``keys[i]`` is received straight into it and the result is that buffer (over
         redis-py, for TLS and Cluster, copied into it here, on the I/O loop), or None. Records
-        are checked as they arrive (resp.py), the checksum of one while the next is received."""
+        are checked as they arrive (resp.py), the checksum of one while the next is received, and
+        a record of another codec than none is decoded into its destination there."""
         if not keys:
             return []
         t0 = time.perf_counter()
+        stored = [0] * len(keys)  # bytes of each record as stored (encoded)
 
         def verify(i: int, data: Any) -> memoryview | CorruptBlockError | None:
             if data is None:
                 return None
             try:
                 if isinstance(data, tuple):  # received as (header, the destination)
-                    return check(self.fmt, keys[i], data[0], data[1], data[1].nbytes)
-                payload = decode(self.fmt, keys[i], data)  # a view of the reply: no copy
+                    stored[i] = data[0].nbytes + data[1].nbytes
+                    return check(self.fmt, keys[i], data[0], data[1], data[1].nbytes, into=data[1])
+                stored[i] = len(data)
                 dest = dests[i] if i < len(dests) else None
-                if dest is None:
+                payload = decode(self.fmt, keys[i], data, into=dest)  # none: a view of the reply, no copy
+                if dest is None or payload is dest:
                     return payload
                 dest[:] = payload
                 return dest
@@ -221,11 +234,15 @@ class RemoteTier:
             return [None] * len(keys)
         out: list[memoryview | None] = []
         bad: list[bytes] = []
-        nbytes = 0
-        for key, got in zip(keys, result, strict=True):
+        nbytes = 0  # as stored
+        delivered = 0  # decoded: the load-rate estimate counts blocks' bytes, as predictions do
+        for key, got, size in zip(keys, result, stored, strict=True):
             if isinstance(got, CorruptBlockError):
                 logger.warning("remote cache: block %s is unusable (%s); deleted", key.hex()[:16], got)
-                self.stats.corrupt += 1
+                if isinstance(got, UndecodableBlockError):
+                    self.stats.undecodable += 1
+                else:
+                    self.stats.corrupt += 1
                 self.stats.misses += 1
                 bad.append(key)
                 out.append(None)
@@ -234,7 +251,8 @@ class RemoteTier:
                 out.append(None)
             else:
                 out.append(got)
-                nbytes += HEADER_SIZE + got.nbytes
+                nbytes += size
+                delivered += HEADER_SIZE + got.nbytes
                 self.stats.hits += 1
                 self.life.accessed(key)
         self.stats.reads += 1
@@ -243,8 +261,8 @@ class RemoteTier:
         found = sum(o is not None for o in out)
         self.stats.metadata_bytes += len(keys) * (len(self.prefix) + 2 * len(keys[0])) + found * HEADER_SIZE
         self.access.observe("get", len(keys), nbytes)
-        if nbytes:
-            self.rate.observe(nbytes, elapsed, ops=len(keys))
+        if delivered:
+            self.rate.observe(delivered, elapsed, ops=len(keys))
         if bad:
             await self._run(lambda pipe: [pipe.delete(self.key(k)) for k in bad])
         return out
@@ -277,17 +295,17 @@ class RemoteTier:
         if account is not None and account[1] == 0:
             return 0
         sent_keys: list[str] = []
-        per = max(1, WRITE_PIPELINE_BYTES // max(1, self.fmt.record_size))
+        per = max(1, WRITE_PIPELINE_BYTES // max(1, self.record_size))
         for start in range(0, len(items), per):  # the I/O loop is free between pipelines
             chunk = items[start:start + per]
             names = [self.key(k) for k, _ in chunk]
             t0 = time.perf_counter()
+            parts = await encode_records(self.fmt, self.codec, chunk, self.write_executor)
             if self._sets is not None:  # header and payload sent from where they lie (resp.py)
-                records = [(name, [encode_header(self.fmt, k, payload), payload])
-                           for name, (k, payload) in zip(names, chunk, strict=True)]
+                records = [(name, list(part)) for name, part in zip(names, parts, strict=True)]
                 result = await self._guarded(lambda records=records: self._set_all(records))
             else:
-                joined = [(name, encode(self.fmt, k, payload)) for name, (k, payload) in zip(names, chunk, strict=True)]
+                joined = [(name, header + body.tobytes()) for name, (header, body) in zip(names, parts, strict=True)]
                 result = await self._run(lambda pipe, joined=joined: [pipe.set(k, v, ex=self.ttl_s) for k, v in joined])
             if result is None:
                 self.stats.dropped += len(items) - start
@@ -297,7 +315,7 @@ class RemoteTier:
             self.stats.writes += 1
             self.stats.write_time_s += time.perf_counter() - t0
             key_bytes = sum(len(name) for name in names)
-            sent = key_bytes + len(chunk) * self.fmt.record_size
+            sent = key_bytes + len(chunk) * self.record_size  # records as stored (encoded)
             self.stats.bytes_written += sent - key_bytes
             self.stats.metadata_bytes += key_bytes + len(chunk) * HEADER_SIZE
             self.access.observe("put", len(chunk), sent)
@@ -337,6 +355,19 @@ class RemoteTier:
 
     async def close(self) -> None:
         await self._reset()
+
+
+async def encode_records(fmt: BlockFormat, codec: str, chunk: Sequence[tuple[bytes, bytes | memoryview]],
+                         executor: Executor | None) -> list[tuple[bytes, memoryview]]:
+    """Each block's header and payload; a codec's encoding runs on a thread of ``executor`` (the
+    chain's sender thread), never on the I/O loop nor the step loop."""
+    if codec == "none":  # the payload as it lies: only the checksum to compute
+        return [(encode_header(fmt, k, p), memoryview(p).cast("B")) for k, p in chunk]
+
+    def encode_all() -> list[tuple[bytes, memoryview]]:
+        return [encode_record(fmt, k, p, codec) for k, p in chunk]
+
+    return await asyncio.get_running_loop().run_in_executor(executor, encode_all)
 
 
 def safe_url(url: str) -> str:

@@ -27,6 +27,7 @@ class TierStats:
     handovers: int = 0  # blocks moved to or from the device by trading rows: no bytes copied (host on CPU)
     timeouts: int = 0  # blocks whose load ran past the tier's deadline (the request recomputed them)
     lost: int = 0  # blocks whose files vanished with their folder
+    undecodable: int = 0  # records of a codec this reader does not know: misses, deleted
 
     def snapshot(self) -> dict[str, float]:
         return asdict(self)

@@ -114,6 +114,9 @@ def test_links_in_place_of_block_files_are_not_followed(start_app, tmp_path: Pat
     assert disk["corrupt"] >= PROMPT_BLOCKS and disk["hits"] == 0
     assert sum(not os.path.lexists(p) for p in files) >= PROMPT_BLOCKS  # the links were removed
     assert len(list(outside.iterdir())) == len(files) - 1  # their targets were not
+    prometheus = httpx.get(server.url + "/metrics", timeout=30).text  # damaged, not of an unknown codec
+    assert f'kvgate_tier_corrupt_blocks_total{{tier="disk"}} {float(disk["corrupt"])}' in prometheus
+    assert 'kvgate_tier_undecodable_blocks_total{tier="disk"} 0.0' in prometheus
 
 
 def test_a_vanished_folder_is_recreated_or_reported_until_it_is_back(start_app, tmp_path: Path) -> None:

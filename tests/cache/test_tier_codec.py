@@ -16,7 +16,7 @@ FMT = BlockFormat(FP, "float16", (2, 3, 4))  # 48 bytes of payload
 KEY = bytes(range(100, 132))
 PAYLOAD = bytes((i * 7 + 3) % 256 for i in range(FMT.payload_size))
 
-# Byte offsets of the header fields ("<4sH16s8I32s32sQQ": packed, no alignment padding).
+# Byte offsets of the header fields ("<4sH16s8I32s32sQQH": packed, no alignment padding).
 OFF_MAGIC = 0
 OFF_VERSION = 4
 OFF_DTYPE = 6
@@ -25,6 +25,7 @@ OFF_FP = 54
 OFF_HASH = 86
 OFF_LEN = 118
 OFF_SUM = 126
+OFF_CODEC = 134
 
 
 def record(fmt: BlockFormat = FMT, key: bytes = KEY, payload: bytes = PAYLOAD) -> bytes:
@@ -36,7 +37,7 @@ def patched(data: bytes, offset: int, new: bytes) -> bytes:
 
 
 def test_header_layout_has_no_padding() -> None:
-    assert HEADER_SIZE == 4 + 2 + 16 + 8 * 4 + 32 + 32 + 8 + 8 == 134
+    assert HEADER_SIZE == 4 + 2 + 16 + 8 * 4 + 32 + 32 + 8 + 8 + 2 == 136
     data = record()
     assert data[OFF_MAGIC:OFF_MAGIC + 4] == MAGIC
     assert struct.unpack_from("<H", data, OFF_VERSION)[0] == VERSION
@@ -46,6 +47,7 @@ def test_header_layout_has_no_padding() -> None:
     assert data[OFF_HASH:OFF_HASH + 32] == KEY
     assert struct.unpack_from("<Q", data, OFF_LEN)[0] == FMT.payload_size
     assert struct.unpack_from("<Q", data, OFF_SUM)[0] == xxh3_64_intdigest(PAYLOAD)
+    assert struct.unpack_from("<H", data, OFF_CODEC)[0] == 0  # none
     assert data[HEADER_SIZE:] == PAYLOAD
 
 

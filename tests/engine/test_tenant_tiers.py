@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.outputs import GenerateRequest
 from engine.sampling_params import SamplingParams
+from tests.engine.drive import outputs
 
 BLOCK = 16
 PROMPT_LEN = 1_024 + 5  # 64 full blocks
@@ -40,16 +41,8 @@ def run(core: EngineCore, request_id: str, ids: list[int], salt: bytes) -> int:
     core.add_request(GenerateRequest(request_id, ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
                                      namespace_salt=salt))
     cached = -1
-    for _ in range(100_000):
-        if not (core.has_work() or core.is_loading()):
-            break
-        core.poll_loads()
-        if not core.has_work():
-            time.sleep(0.001)
-            continue
-        for out in core.step():
-            cached = out.num_cached_tokens if cached < 0 else cached
-    assert not core.has_work() and not core.is_loading()
+    for out in outputs(core):
+        cached = out.num_cached_tokens if cached < 0 else cached
     return cached
 
 

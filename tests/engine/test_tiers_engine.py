@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.outputs import GenerateRequest
 from engine.sampling_params import SamplingParams
+from tests.engine.drive import outputs
 
 BLOCK = 4
 PROMPT_LEN = 121  # 30 full blocks + 1 token
@@ -35,18 +36,9 @@ def run(core: EngineCore, request_id: str, ids: list[int], max_tokens: int = 6) 
     core.add_request(GenerateRequest(request_id, ids, SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                     ignore_eos=True)))
     tokens, cached = [], -1
-    for _ in range(100_000):
-        if not (core.has_work() or core.is_loading()):
-            break
-        core.poll_loads()
-        if not core.has_work():
-            time.sleep(0.001)  # waiting on disk reads, as the engine loop does
-            continue
-        if core.has_work():
-            for out in core.step():
-                tokens.append(out.token_id)
-                cached = out.num_cached_tokens if cached < 0 else cached
-    assert not core.has_work() and not core.is_loading()
+    for out in outputs(core):
+        tokens.append(out.token_id)
+        cached = out.num_cached_tokens if cached < 0 else cached
     return tokens, cached
 
 
