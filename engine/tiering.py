@@ -174,15 +174,18 @@ class Tiering:
         chain = self.chain
         if chain is None:
             return
-        if chain.writes_through:
-            by_owner: dict[str, list[tuple[bytes, bytes]]] = {}
-            for block, key, owner in self._filled_blocks(work):
+        through = chain.writes_through
+        behind = chain.persist == "behind" and chain.store is not None and self.storage.device.type == "cpu"
+        if not (through or behind):
+            return
+        by_owner: dict[str, list[tuple[bytes, bytes]]] = {}
+        for block, key, owner in self._filled_blocks(work):
+            if through:
                 by_owner.setdefault(owner, []).append((key, self.storage.read_block(block.slot)))
-            for owner, items in by_owner.items():
-                chain.write_remote(items, owner)
-        if chain.persist == "behind" and chain.store is not None and self.storage.device.type == "cpu":
-            for block, key, owner in self._filled_blocks(work):
+            if behind:
                 chain.note_computed(key, functools.partial(self._copy_device_block, block, key, block.slot), owner)
+        for owner, items in by_owner.items():
+            chain.write_remote(items, owner)
 
     def _filled_blocks(self, work: list[ScheduledSeq]) -> Iterator[tuple[Any, bytes, str]]:
         """(block, its hash, its owner) for each hashed block this step filled."""

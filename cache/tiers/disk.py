@@ -168,30 +168,23 @@ class DiskTier(DiskIndex):
                     self.stats.dropped += 1
                     return False
                 self._drop(pick_victim(self.policy, self.ledger, owner))  # type: ignore[arg-type]
-            self._reserved += 1
-            self._reserved_bytes += size
+            self._reserve(size)
         final = self.path_of(key)
         tmp = temp_path(self.dir, key)
         t0 = time.perf_counter()
         try:
             await write_record_async(tmp, final, self.fmt, key, payload, self.codec, executor=executor)
-        except OSError as exc:
+        except BaseException as exc:  # a failed write, or a cancellation: the slot must not leak
             unlink(tmp)
             with self._lock:
-                self._reserved -= 1
-                self._reserved_bytes -= size
+                self._reserve(size, -1)
+            if not isinstance(exc, OSError):
+                raise
             self._error("write", exc)
             return False
-        except BaseException:  # (a cancellation): the slot must not leak
-            unlink(tmp)
-            with self._lock:
-                self._reserved -= 1
-                self._reserved_bytes -= size
-            raise
         elapsed = time.perf_counter() - t0
         with self._lock:
-            self._reserved -= 1
-            self._reserved_bytes -= size
+            self._reserve(size, -1)
             if key in self._index:  # a concurrent write of the same block ended first: same bytes
                 self.policy.touch(key)
                 return True

@@ -83,6 +83,12 @@ class DiskIndex:
         return (len(self._index) + self._reserved >= self.capacity_blocks
                 or self._bytes + self._reserved_bytes + size > self.capacity_bytes)
 
+    def _reserve(self, size: int, slots: int = 1) -> None:
+        """Hold room for a write in flight of a ``size``-byte record (``slots=-1`` gives it back).
+        Holds ``_lock``."""
+        self._reserved += slots
+        self._reserved_bytes += slots * size
+
     def path_of(self, key: bytes) -> Path:
         return block_path(self.dir, key)
 
