@@ -36,13 +36,16 @@ configuration:
   num_threads/enable_prefix_caching/pack_weights/native_kernels (CPU attention kernel and
   fused ops, built once with the machine's C++ compiler)/fast_decoder (Llama-family layers
   without transformers' modules)/metrics (TTFT parts and block lives in
-  /admin/metrics; default true), [cache] block_size/eviction (lru|s3fifo),
+  /admin/metrics; default true), [cache] block_size/eviction (lru|s3fifo)/admit (always:
+  every block leaving CPU memory goes to disk; second_use: only blocks a later request reused,
+  or computed again after being dropped; default always),
   [cache.device] num_blocks, [cache.host] capacity_mb (0 = off), [cache.disk] path/capacity_mb
   (0 = off)/persist (behind: blocks are also written in the background as computed, so a
   crash loses only the last moments'; on_evict: a block is written when it leaves CPU memory,
   and all at a stop; default behind)/load_timeout_s (deadline of one batch of block reads; default 0.5)/allowed_root
   (where POST /admin/tiers may attach a disk tier), [cache.remote] url/cluster/ttl_s/write
-  (through|back; section absent = off),
+  (through: every block as computed; back: as it leaves CPU memory, if admitted; selective: on
+  its first reuse; default through; section absent = off),
   [admin] api_key, [[tenants]] name/api_keys/share_group/quota, [[public_prefixes]]
   name/text|system|token_ids (shared by every tenant). Unknown keys are errors.
 

@@ -115,7 +115,9 @@ class RemoteCacheSettings(_Section):
     url: str = "redis://127.0.0.1:6379/0"
     cluster: bool = False
     ttl_s: int = Field(default=86400, gt=0)
-    write: Literal["through", "back"] = "through"
+    # through: every block as computed | back: when it leaves CPU memory (and is admitted, see
+    # [cache] admit) | selective: once a request reuses it (docs/tiers.md, "Admission")
+    write: Literal["through", "back", "selective"] = "through"
     # how long one pipeline may take before it counts as a failure (three in a row open the breaker)
     timeout_s: float = Field(default=0.5, gt=0)
     # how values are encoded in the store, as [cache.disk] codec
@@ -132,6 +134,9 @@ class RemoteCacheSettings(_Section):
 class CacheSettings(_Section):
     block_size: int = Field(default=16, gt=0)
     eviction: Literal["lru", "s3fifo"] = "lru"  # the host and disk tiers' policy
+    # always: every block leaving CPU memory is written to disk; second_use: only a block a later
+    # request reused (or computed again after it was dropped) (docs/tiers.md, "Admission")
+    admit: Literal["always", "second_use"] = "always"
     device: DeviceCacheSettings = DeviceCacheSettings()
     host: HostCacheSettings = HostCacheSettings()
     disk: DiskCacheSettings = DiskCacheSettings()
@@ -233,6 +238,7 @@ class Settings(_Section):
                 disk_allowed_root=self.cache.disk.allowed_root,
                 tier_policy=self.cache.eviction,
                 disk_persist=self.cache.disk.persist,
+                admit=self.cache.admit,
                 disk_codec=self.cache.disk.codec,
                 flush_on_shutdown_s=min(10.0, self.server.shutdown_timeout_s + 5.0),
                 **self._remote_fields(),

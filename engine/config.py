@@ -49,10 +49,12 @@ class EngineConfig:
     # on_evict | behind: also write computed and host blocks in the background (cache.tiers.chain);
     # the server's default is behind ([cache.disk] persist)
     disk_persist: str = "on_evict"
+    # always | second_use: which blocks go below host memory (cache.tiers.state.ADMIT_MODES)
+    admit: str = "always"
     remote_cache_url: str | None = None  # redis:// or rediss://
     remote_cluster: bool = False
     remote_ttl_s: int = 86400
-    remote_write: str = "through"  # through: as computed | back: when leaving host
+    remote_write: str = "through"  # through: as computed | back: when leaving host | selective: once reused
     remote_timeout_s: float = 0.5
     remote_codec: str = "none"  # none | bf16 | fp16 | int8, as disk_codec
 
@@ -74,6 +76,8 @@ class EngineConfig:
             factory.validate(name, options[name])
         if self.disk_persist not in ("on_evict", "behind"):
             raise ValueError(f"disk_persist must be on_evict or behind, got {self.disk_persist!r}")
+        if self.admit not in ("always", "second_use"):
+            raise ValueError(f"admit must be always or second_use, got {self.admit!r}")
         if self.tier_policy not in ("lru", "s3fifo"):
             raise ValueError(f"tier_policy must be lru or s3fifo, got {self.tier_policy!r}")
         if self.num_blocks < 2:

@@ -57,7 +57,7 @@ class Tiering:
         if names:
             tiers = [self._make_tier(name, {}) for name in names]
             logger.info("cache tiers: %s", "; ".join(f"{t.name} {_summary(t)}" for t in tiers))
-            self._use(TierChain(tiers, persist=config.disk_persist))
+            self._use(TierChain(tiers, persist=config.disk_persist, admit=config.admit))
 
     def _use(self, chain: TierChain) -> None:
         """Put the chain under the device pool: evictions demote into it."""
@@ -83,7 +83,7 @@ class Tiering:
         if action not in ("attach", "detach"):
             raise ValueError(f"unknown action {action!r}; use attach or detach")
         if self.chain is None:
-            self._use(TierChain(persist=self.config.disk_persist))
+            self._use(TierChain(persist=self.config.disk_persist, admit=self.config.admit))
         chain = self.chain
         assert chain is not None
         if action == "detach":
@@ -120,6 +120,8 @@ class Tiering:
         """An evicted device block goes down the chain (the pool's ``on_evict``)."""
         assert self.chain is not None
         owner = self.manager.pool.ledger.owner_of(block_hash) or UNKNOWN
+        if block.hits:
+            self.chain.note_reuse(block_hash)
         row = self.chain.demote(block_hash, self.storage.block_view(block.slot), owner, block.slot)
         if row is not None:  # the host tier kept the block's row and gave it one of its own
             block.slot = row
@@ -169,23 +171,41 @@ class Tiering:
 
     # ---- the blocks a step filled -------------------------------------------------------------
     def after_step(self, work: list[ScheduledSeq]) -> None:
-        """Send the blocks this step filled to a write-through store, and offer them to the
+        """Note the blocks this step's new requests reused (admission by reuse, ``write =
+        "selective"``); send the blocks it filled to a write-through store, and offer them to the
         background disk writer (``persist = "behind"``)."""
         chain = self.chain
         if chain is None:
             return
         through = chain.writes_through
         behind = chain.persist == "behind" and chain.store is not None and self.storage.device.type == "cpu"
-        if not (through or behind):
-            return
         by_owner: dict[str, list[tuple[bytes, bytes]]] = {}
-        for block, key, owner in self._filled_blocks(work):
-            if through:
+        for block, key, owner in self._reused_blocks(work):
+            chain.note_reuse(key)
+            if chain.remote_wants(key):
                 by_owner.setdefault(owner, []).append((key, self.storage.read_block(block.slot)))
-            if behind:
+            if behind and chain.admit != "always":  # admitted only now: the background writer may take it
                 chain.note_computed(key, functools.partial(self._copy_device_block, block, key, block.slot), owner)
+        if through or behind:
+            for block, key, owner in self._filled_blocks(work):
+                if through:
+                    by_owner.setdefault(owner, []).append((key, self.storage.read_block(block.slot)))
+                if behind:
+                    chain.note_computed(key, functools.partial(self._copy_device_block, block, key, block.slot),
+                                        owner)
         for owner, items in by_owner.items():
             chain.write_remote(items, owner)
+
+    def _reused_blocks(self, work: list[ScheduledSeq]) -> Iterator[tuple[Any, bytes, str]]:
+        """(block, its hash, its owner) for each cached block a request admitted in this step
+        reused: the blocks before its first computed token."""
+        for s in work:
+            seq = s.seq
+            if s.start == 0 or s.start != seq.num_cached_tokens:
+                continue
+            for i, block in enumerate(self.manager.blocks(seq.seq_id)[:s.start // self.block_size]):
+                if block.block_hash is not None:
+                    yield block, block.block_hash, PUBLIC if i < seq.public_blocks else seq.tenant
 
     def _filled_blocks(self, work: list[ScheduledSeq]) -> Iterator[tuple[Any, bytes, str]]:
         """(block, its hash, its owner) for each hashed block this step filled."""
@@ -240,6 +260,9 @@ class Tiering:
             storage, ledger = self.storage, self.manager.pool.ledger
             blocks = [(h, lambda b=b: storage.read_block(b.slot), ledger.owner_of(h) or UNKNOWN)
                       for h, b in self.manager.pool.cached_blocks()]
+            for key, block in self.manager.pool.cached_blocks():
+                if block.hits:
+                    chain.note_reuse(key)
             t0 = time.monotonic()
             written = chain.flush(blocks, limit)
             drained = chain.drain_writes(limit)

@@ -32,10 +32,10 @@ from cache.tiers.base import SharedTier, Tier, TierSnapshot
 from cache.tiers.ioloop import IOLoop
 from cache.tiers.loads import LoadPath
 from cache.tiers.prefetch import Reservation
-from cache.tiers.state import PERSIST_MODES, ChainStats, _asdict
+from cache.tiers.state import ADMIT_MODES, PERSIST_MODES, ChainStats, _asdict
 from cache.tiers.writes import FLUSH_WINDOW, RETRY
 
-__all__ = ["FLUSH_WINDOW", "PERSIST_MODES", "RETRY", "ChainStats", "IOLoop", "Reservation", "TierChain"]
+__all__ = ["ADMIT_MODES", "FLUSH_WINDOW", "PERSIST_MODES", "RETRY", "ChainStats", "IOLoop", "Reservation", "TierChain"]
 
 
 class TierChain(LoadPath):
@@ -44,8 +44,10 @@ class TierChain(LoadPath):
     tier, any of them absent. `WritePath` and `LoadPath` are its two halves."""
 
     def __init__(self, tiers: Iterable[Tier | None] = (), *, max_pending_writes: int = 256,
-                 read_parallel: int = min(4, os.cpu_count() or 1), persist: str = "on_evict") -> None:
-        super().__init__(max_pending_writes=max_pending_writes, read_parallel=read_parallel, persist=persist)
+                 read_parallel: int = min(4, os.cpu_count() or 1), persist: str = "on_evict",
+                 admit: str = "always") -> None:
+        super().__init__(max_pending_writes=max_pending_writes, read_parallel=read_parallel, persist=persist,
+                         admit=admit)
         for tier in tiers:
             if tier is not None:
                 self.attach(tier)
@@ -57,6 +59,7 @@ class TierChain(LoadPath):
         row instead of a copy, and the return value is the row the pool block uses from now on
         (None: the block keeps its own row)."""
         self.stats.demotions += 1
+        self._seen_again(key)
         host = self.memory
         if host is not None and host.shared and row is not None:
             traded = host.adopt(key, row, owner)
@@ -152,6 +155,7 @@ class TierChain(LoadPath):
         entry has its counters, occupancy, cost model, ``traits`` and what `describe` adds."""
         out: dict[str, Any] = {"chain": {**_asdict(self.stats), "pending_writes": self._pending_writes,
                                          "inflight_reads": len(self._inflight), "persist": self.persist,
+                                         "admit": self.admit,
                                          "unpersisted_blocks": len(self._unpersisted)}}
         for tier in self.tiers:
             out[tier.name] = TierSnapshot.of(tier).to_dict()

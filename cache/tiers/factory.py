@@ -91,7 +91,7 @@ class RemoteOptions(_Options):
     url: str
     cluster: bool = False
     ttl_s: int = Field(default=86400, gt=0)
-    write: Literal["through", "back"] = "through"
+    write: Literal["through", "back", "selective"] = "through"
     timeout_s: float = Field(default=0.5, gt=0)
     codec: Codec = "none"
 

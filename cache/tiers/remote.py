@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 # every lookup and load behind it (docs/tiers.md, "Figures behind the code").
 WRITE_PIPELINE_BYTES = 4 << 20
 
-WRITE_MODES = ("through", "back")
+WRITE_MODES = ("through", "back", "selective")
 
 
 class RemoteTier:
@@ -58,10 +58,11 @@ class RemoteTier:
     def __init__(self, url: str, fmt: BlockFormat, ttl_s: int = 86400, cluster: bool = False,
                  timeout_s: float = 0.5, failures_to_open: int = 3, open_s: float = 5.0,
                  write_mode: str = "through", codec: str = "none") -> None:
-        """``write_mode``: "through" sends blocks when computed, "back" when they leave host memory;
-        ``codec``: how blocks are encoded when written (any codec is read)."""
+        """``write_mode``: "through" sends blocks when computed, "back" when they leave host memory,
+        "selective" once a request reuses them; ``codec``: how blocks are encoded when written
+        (any codec is read)."""
         if write_mode not in WRITE_MODES:
-            raise ValueError(f"write must be through or back, got {write_mode!r}")
+            raise ValueError(f"write must be one of {', '.join(WRITE_MODES)}, got {write_mode!r}")
         self.write_mode = write_mode
         self.codec = check_codec(codec)
         self.record_size = fmt.record_size_of(codec)  # bytes of one value written here

@@ -19,6 +19,12 @@ from cache.tiers.ioloop import IOLoop
 # "behind" also writes host blocks in the background, oldest first, so a crash (SIGKILL, OOM kill,
 # power cut) loses only the blocks of the last moments, and evicting them later costs no write.
 PERSIST_MODES = ("on_evict", "behind")
+# Which blocks go below host memory: "always" every block; "second_use" only a block that was
+# used again (a later request's prefix hit it, or it was computed again after being dropped).
+ADMIT_MODES = ("always", "second_use")
+# Keys remembered per set (reused blocks; blocks dropped unwritten): enough for several host
+# tiers' worth of blocks, at well under 100 bytes each.
+_REMEMBERED = 1 << 16
 
 
 
@@ -34,6 +40,8 @@ class ChainStats:
     flushed_blocks: int = 0
     recalled_blocks: int = 0  # asked for while their disk write was in flight: served from its buffer
     persisted_behind: int = 0  # host and computed device blocks written to disk by persist = "behind"
+    not_admitted: int = 0  # admit = "second_use": blocks that left host memory unused again, not written
+    readmitted: int = 0  # ... and blocks computed again after that, so admitted from then on
 
 
 
@@ -52,15 +60,23 @@ class ChainState:
     """Attached tiers, writes and loads in flight, counters (`TierChain` is the whole)."""
 
     def __init__(self, *, max_pending_writes: int = 256,
-                 read_parallel: int = min(4, os.cpu_count() or 1), persist: str = "on_evict") -> None:
+                 read_parallel: int = min(4, os.cpu_count() or 1), persist: str = "on_evict",
+                 admit: str = "always") -> None:
         if persist not in PERSIST_MODES:
             raise ValueError(f"persist must be one of {', '.join(PERSIST_MODES)}, got {persist!r}")
+        if admit not in ADMIT_MODES:
+            raise ValueError(f"admit must be one of {', '.join(ADMIT_MODES)}, got {admit!r}")
         self.memory: Any = None  # the `memory` tier (host slots), or None
         self.stores: list[Any] = []  # the `store` tiers (local, indexed stores), top down
         self.shared: Any = None  # the `shared` tier (a store other replicas reach), or None
         self.max_pending_writes = max_pending_writes
         self.persist = persist
+        self.admit = admit
         self.stats = ChainStats()
+        # admit = "second_use": blocks used again (admitted), and blocks dropped unwritten (a
+        # second computation admits them); oldest first, bounded
+        self._reused: OrderedDict[bytes, None] = OrderedDict()
+        self._dropped: OrderedDict[bytes, None] = OrderedDict()
         # Store writes in flight, key -> the payload being written: the block stays readable from
         # here until every store it goes to has indexed it (the I/O thread indexes, then forgets
         # it); `_writing_to` names those stores
@@ -117,10 +133,37 @@ class ChainState:
         """The attached tier called ``name``, or None."""
         return next((t for t in self.tiers if t.name == name), None)
 
+    def admits(self, key: bytes) -> bool:
+        """Whether ``key`` may be written below host memory (``admit``)."""
+        return self.admit == "always" or key in self._reused
+
+    def note_reuse(self, key: bytes) -> None:
+        """A request reused ``key`` (a prefix hit): from now on it is admitted below host."""
+        _remember(self._reused, key)
+
+    def _seen_again(self, key: bytes) -> None:
+        """``key`` was computed or demoted: a block dropped unwritten before is admitted now."""
+        if self.admit != "always" and key in self._dropped:
+            del self._dropped[key]
+            self.stats.readmitted += 1
+            _remember(self._reused, key)
+
+    def _not_admitted(self, key: bytes) -> None:
+        """``key`` left host memory without being used again: dropped, remembered as seen."""
+        self.stats.not_admitted += 1
+        _remember(self._dropped, key)
+
     @property
     def writes_through(self) -> bool:
         """Whether freshly computed blocks go to the shared tier at once (vs when leaving host)."""
         return self.shared is not None and self.shared.write_mode == "through"
+
+
+def _remember(keys: OrderedDict[bytes, None], key: bytes) -> None:
+    keys[key] = None
+    keys.move_to_end(key)
+    if len(keys) > _REMEMBERED:
+        keys.popitem(last=False)
 
 
 def _asdict(stats: ChainStats) -> dict[str, Any]:

@@ -39,7 +39,11 @@ class WritePath(ChainState):
         Until the stores have indexed it, the block stays readable from ``_writing`` (see
         `recall`); a store that already holds it only marks it as used."""
         self._unpersisted.pop(key, None)
-        if self.shared is not None and self.shared.write_mode == "back":
+        if not self.admits(key):
+            self._not_admitted(key)
+            return
+        mode = self.shared.write_mode if self.shared is not None else None
+        if mode == "back" or (mode == "selective" and key in self._reused):
             self.write_remote([(key, payload)], owner)
         for store in self.stores:
             self._write_to(store, key, payload, owner)
@@ -111,26 +115,33 @@ class WritePath(ChainState):
         coro = self._timed(f"{self.shared.name}_put", self.shared.put(fresh, owner), time.perf_counter())
         self.io.submit(coro).add_done_callback(functools.partial(self._write_done, None, None))
 
+    def remote_wants(self, key: bytes) -> bool:
+        """``write = "selective"``: whether a block just reused should be sent to the shared
+        tier now (not sent recently)."""
+        return self.shared is not None and self.shared.write_mode == "selective" and key not in self._remote_sent
+
     @property
     def pending_writes(self) -> int:
         return self._pending_writes
 
     def _track(self, key: bytes) -> None:
         """A block entered host memory: with ``persist = "behind"`` it waits to be written."""
-        if self.persist == "behind" and self.stores:
+        if self.persist == "behind" and self.stores and self.admits(key):
             self._unpersisted[key] = None
 
     def _keep_in_host(self, key: bytes) -> bool:
         """Whether host eviction should pass over ``key``: writes are backed up and the block is
         in no store nor on its way there, so evicting it would drop it."""
         return (bool(self.stores) and self._pending_writes >= self.max_pending_writes
-                and key not in self._writing and not self._stored(key))
+                and key not in self._writing and not self._stored(key) and self.admits(key))
 
     def note_computed(self, key: bytes, copy: Callable[[], bytes | None], owner: str = UNKNOWN) -> None:
         """``persist = "behind"``: a device block was just computed; ``copy`` (called on a writer
         thread) returns its bytes, None once the block is gone, or `RETRY` when the copy may be
-        torn and should be made again later."""
-        if self.persist == "behind" and self.stores and key not in self._unpersisted:
+        torn and should be made again later. With ``admit = "second_use"`` only a block used
+        again is taken (or one computed again after being dropped)."""
+        self._seen_again(key)
+        if self.persist == "behind" and self.stores and key not in self._unpersisted and self.admits(key):
             self._unpersisted[key] = (copy, owner)
 
     def persist_behind(self) -> int:
@@ -218,7 +229,7 @@ class WritePath(ChainState):
         for key, get, owner in sources:
             if time.monotonic() > deadline:
                 break
-            if key in seen or key in self._writing:
+            if key in seen or key in self._writing or not self.admits(key):
                 continue
             targets = [store for store in self.stores if key not in store]
             if not targets:
