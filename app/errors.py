@@ -25,8 +25,9 @@ from engine.heap import release_freed_memory
 logger = logging.getLogger(__name__)
 
 _STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
-                 404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-                 429: "rate_limit_error", 503: "service_unavailable"}
+                 404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
+                 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+                 504: "timeout_error"}
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
@@ -63,6 +64,26 @@ class RateLimitError(APIError):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message, code="rate_limit_exceeded",
                          headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
+
+
+class PermissionDeniedError(APIError):
+    """403: the key is valid but may not do this (e.g. a tenant's key acting for another tenant)."""
+
+    status_code = 403
+    error_type = "permission_error"
+
+
+class ConflictError(APIError):
+    """409: the request is valid but the server's state refuses it (e.g. a pin past a quota)."""
+
+    status_code = 409
+
+
+class GatewayTimeoutError(APIError):
+    """504: the engine or a cache tier did not answer in time; the request may be retried."""
+
+    status_code = 504
+    error_type = "timeout_error"
 
 
 class NotFoundError(APIError):
@@ -187,7 +208,7 @@ class BodySizeLimitMiddleware:
         self._trim: asyncio.TimerHandle | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")

@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from app import routes_admin, routes_dashboard, routes_metrics, routes_openai, routes_trace
+from app import routes_admin, routes_cache, routes_dashboard, routes_metrics, routes_openai, routes_trace
 from app.api_docs import install_docs
 from app.errors import BodySizeLimitMiddleware, install_exception_handlers
 from app.logging import AccessLogMiddleware, RequestCounters, configure_logging
@@ -63,6 +63,7 @@ def create_app(settings: Settings, engine: AsyncEngine | None = None,
     state.fingerprint = "fp_kvgate"
     install_exception_handlers(app)
     app.include_router(routes_openai.router)
+    app.include_router(routes_cache.router)
     app.include_router(routes_admin.router)
     app.include_router(routes_metrics.router)
     app.include_router(routes_trace.router)

@@ -57,6 +57,7 @@ class _Snapshot(Collector):
         yield from _engine(s)
         yield from _tiers(s.get("tiers", {}))
         yield from _gaps(s.get("gaps", {}), s.get("timing", {}))
+        yield from _cache_control(s.get("cache_control") or {})
         archetype = s.get("archetype") or {}
         if archetype.get("name"):
             info = GaugeMetricFamily("kvgate_archetype_info", "The KV-cache archetype of the running hierarchy "
@@ -202,6 +203,27 @@ def _tiers(tiers: dict[str, Any]) -> Iterator[Metric]:
         yield _counter(f"kvgate_chain_{field}", doc, chain.get(field, 0))
     yield _gauge("kvgate_chain_unpersisted_blocks", "Blocks waiting for a background disk write (persist = behind)",
                  chain.get("unpersisted_blocks", 0))
+
+
+def _cache_control(c: dict[str, Any]) -> Iterator[Metric]:
+    """Pins, prefetches and drops of the cache control API (docs/cache_api.md)."""
+    if not c:
+        return
+    yield _labelled(GaugeMetricFamily, "kvgate_cache_pinned_blocks", "Blocks held by pins or prefetch protections, "
+                    "per tier holding them now", "tier", (c.get("pinned_blocks") or {}).items())
+    yield _gauge("kvgate_cache_pins", "Blocks pinned until unpinned", c.get("pinned_keys", 0))
+    yield _gauge("kvgate_cache_protected_blocks", "Blocks protected by a prefetch until its TTL runs out",
+                 c.get("protected_keys", 0))
+    yield _labelled(CounterMetricFamily, "kvgate_cache_control_requests", "Cache control requests by operation "
+                    "(lookup, prefetch, pin, unpin, delete)", "op", (c.get("requests") or {}).items())
+    yield _labelled(CounterMetricFamily, "kvgate_cache_prefetched_blocks", "Blocks cache prefetches brought up "
+                    "into host memory, by the tier they came from", "tier", (c.get("prefetched_blocks") or {}).items())
+    yield _counter("kvgate_cache_expired_protections", "Prefetch protections that ran out (their blocks became "
+                   "ordinary)", c.get("expired_protections", 0))
+    yield _labelled(CounterMetricFamily, "kvgate_cache_dropped_blocks", "Blocks cache deletes dropped, per tier",
+                    "tier", (c.get("dropped_blocks") or {}).items())
+    yield _counter("kvgate_cache_delete_skipped_blocks", "Device blocks a cache delete left to the running "
+                   "requests holding them", c.get("skipped_in_use", 0))
 
 
 def _gaps(g: dict[str, Any], timing: dict[str, Any]) -> Iterator[Metric]:

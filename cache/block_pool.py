@@ -194,6 +194,18 @@ class BlockPool:
         block.block_hash = None
         self.stats.evictions += 1
 
+    def drop(self, block_hash: BlockHash) -> bool | None:
+        """Forget an idle cached block's prefix without demoting it (its owner asked for it to be
+        gone from every tier); the block stays free. True if dropped, False if a request holds it
+        (it stays), None if no block holds ``block_hash``."""
+        block = self._cached.get(block_hash)
+        if block is None:
+            return None
+        if block.ref_cnt > 0:
+            return False
+        self._evict(block, demote=False)
+        return True
+
     def evict_all_cached(self) -> int:
         """Forget every idle cached block's hash (e.g. after weights change); returns how many."""
         idle = [b for b in self._free.values() if b.block_hash is not None]

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine.backends import ProcessBackend, ThreadBackend
+from engine.cache_control import CacheCommand
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, EngineNotReadyError, EngineOverloadedError, InvalidRequestError
 from engine.limits import RequestLimits
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 RESTART_WINDOW_S = 300.0
 STATS_TIMEOUT_S = 10.0
+CACHE_TIMEOUT_S = 30.0  # a cache control command's tier I/O (disk reads and Redis each have their own deadlines)
 
 
 class AsyncEngine:
@@ -51,7 +53,7 @@ class AsyncEngine:
         self.tokenizer: Any = None
         self.restarts: list[float] = []
         self._streams = RequestStreams()
-        self._waiters: dict[int, asyncio.Future[Any]] = {}  # replies to "stats" and "tiers"
+        self._waiters: dict[int, asyncio.Future[Any]] = {}  # replies to "stats", "tiers" and "cache"
         self._reply_tokens = itertools.count()
         self._last_stats: dict[str, Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -223,7 +225,15 @@ class AsyncEngine:
             raise InvalidRequestError(reply.get("error", "tier change failed"), param="tier")
         return reply["tiers"]
 
-    async def _call(self, kind: str, *args: Any) -> Any:
+    async def cache_control(self, command: CacheCommand, timeout_s: float = CACHE_TIMEOUT_S) -> dict[str, Any]:
+        """Run a cache control command in the engine (engine/cache_control.py) and return its
+        answer: ``{"ok": True, ...}`` or ``{"ok": False, "status", "message", "code", "param"}``.
+        Raises asyncio.TimeoutError when the engine and its tiers do not answer in ``timeout_s``."""
+        if not self.ready:
+            raise EngineNotReadyError("the engine is not ready; retry shortly")
+        return dict(await self._call("cache", command, timeout_s=timeout_s))
+
+    async def _call(self, kind: str, *args: Any, timeout_s: float = STATS_TIMEOUT_S) -> Any:
         """Send a command that the engine answers with ("reply", token, value); await the value."""
         assert self._loop is not None
         token = next(self._reply_tokens)
@@ -231,7 +241,7 @@ class AsyncEngine:
         self._waiters[token] = future
         self.backend.send((kind, token, *args))
         try:
-            return await asyncio.wait_for(future, STATS_TIMEOUT_S)
+            return await asyncio.wait_for(future, timeout_s)
         finally:
             self._waiters.pop(token, None)
 

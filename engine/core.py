@@ -19,8 +19,10 @@ from cache.kv_storage import KVStorage
 from cache.manager import KVCacheManager
 from cache.tiers.chain import TierChain
 from cache.tiers.codec import BlockFormat
+from cache.tiers.control import attach_book
 from cache.tiers.factory import RowBank
 from engine import snapshot
+from engine.cache_control import CacheCommand, CacheControl, Reply
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.heap import keep_heap_memory
@@ -101,6 +103,7 @@ class EngineCore:
         self._prefill_tps: float | None = None
         self.tiers = Tiering(config, self.storage, self.manager, self.block_format)
         self.scheduler.promote = self._promote
+        self.control = CacheControl(self)  # the cache control API: lookups, pins, prefetches, drops
         # a first start compiles the kernels only now: compiling while the weights load and pack
         # made that 3x slower on 2 CPUs (docs/engine.md)
         native, self.kernel_build = self._native_ops(config)
@@ -142,8 +145,15 @@ class EngineCore:
 
     def configure_tier(self, action: str, name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
         """Attach or detach a tier while serving (`Tiering.configure`); whether a store answers
-        is asked before, off the step loop (`AsyncEngine`)."""
-        return self.tiers.configure(action, name, options)
+        is asked before, off the step loop (`AsyncEngine`). A tier attached consults the pins."""
+        reply = self.tiers.configure(action, name, options)
+        attach_book(self.chain, self.control.book)
+        return reply
+
+    def cache_control(self, command: CacheCommand, reply: Reply) -> None:
+        """Run a cache control command (engine/cache_control.py); ``reply`` gets the answer, now
+        or from the chain's I/O thread once the tier I/O it needs is done."""
+        self.control.run(command, reply)
 
     def spill_device(self) -> int:
         """Demote every idle cached device block to the tiers below and forget it on the device
@@ -164,10 +174,15 @@ class EngineCore:
     def poll_loads(self) -> int:
         """Admit the requests whose prefetches finished; returns how many. Also lets the chain
         start its background disk writes (``persist = "behind"``)."""
-        finished = self.tiers.poll(bool(self._loading))
+        control = self.control
+        control.tick()
+        finished = self.tiers.poll(bool(self._loading) or control.waiting)
         now = time.perf_counter()  # after the poll: every released job ended before it (its parts fit in)
         admitted = 0
         for request_id, times in finished:
+            if control.owns(request_id):  # a cache control prefetch, not a request
+                control.finished(request_id)
+                continue
             self._loaded(request_id, times, now)
             seqs = self._loading.pop(request_id, None)
             for seq in seqs or ():
@@ -188,7 +203,8 @@ class EngineCore:
         timing.lower_tier |= times is not None and times.blocks > 0
 
     def is_loading(self) -> bool:
-        return bool(self._loading)
+        """Whether requests (or cache control prefetches) wait for blocks from a lower tier."""
+        return bool(self._loading) or self.control.waiting
 
     def check_invariants(self) -> None:
         """Assert the block accounting (tests call it): the manager's, the tiers', and that every
@@ -212,13 +228,11 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
         params = request.params
         self.tiers.set_quota(request.tenant, request.quota, request.namespace_salt)
+        self.control.note_request(request.tenant, request.namespace_salt)
         t0 = time.perf_counter()
         timing = RequestTiming(added=t0)
-        root = root_hash(request.namespace_salt, self.fingerprint, request.cache_salt)
-        switch = None
-        public_blocks = request.public_prefix_len // self.block_size
-        if public_blocks and request.public_salt and request.cache_salt is None:
-            root, switch = root_hash(request.public_salt, self.fingerprint), (public_blocks, root)
+        root, switch = self.roots(request.namespace_salt, request.cache_salt, request.public_prefix_len,
+                                  request.public_salt)
         seqs = []
         for i in range(params.n):
             seq = Sequence(
@@ -252,6 +266,17 @@ class EngineCore:
         self.counters.requests_added += 1
         self.counters.prompt_tokens += len(request.prompt_token_ids)
         return seqs
+
+    def roots(self, namespace_salt: bytes, cache_salt: str | None, public_prefix_len: int,
+              public_salt: bytes) -> tuple[bytes, tuple[int, bytes] | None]:
+        """A prompt's root hash and public-prefix switch (`cache.hashing.extend_block_hashes`):
+        the tenant's root, or the public namespace's for the full blocks of a declared public
+        prefix (unless the request sent a `cache_salt`), the tenant's root mixed in after them."""
+        root = root_hash(namespace_salt, self.fingerprint, cache_salt)
+        public_blocks = public_prefix_len // self.block_size
+        if public_blocks and public_salt and cache_salt is None:
+            return root_hash(public_salt, self.fingerprint), (public_blocks, root)
+        return root, None
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request's unfinished choices and free their blocks now; False if unknown."""

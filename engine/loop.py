@@ -8,8 +8,13 @@ two cores throttle every parallel region; see docs/serving.md).
 Commands (tuples, first element the kind):
     ("add", GenerateRequest)   ("abort", request_id)   ("stop_choice", request_id, index)
     ("stats", token)           ("tiers", token, action, tier, options)   ("shutdown",)
+    ("cache", token, CacheCommand)
 Events out, through the `emit` callable:
     ("out", list[SeqOutput])   ("fail", request_id, FailInfo)   ("reply", token, value)
+
+A cache control command (engine/cache_control.py) runs here between steps; the tier I/O it needs
+runs on the chain's I/O thread, which sends the reply itself when done: `emit` takes a lock, so
+the two threads never interleave their events on the way out.
 
 On a machine without a build of the native CPU kernels the engine starts on PyTorch's ops while
 the compiler runs in the background (engine.kernels.KernelBuild); between two steps, once it is
@@ -86,7 +91,13 @@ class EngineLoop:
 
     def __init__(self, core: EngineCore, emit: Emit) -> None:
         self.core = core
-        self.emit = emit
+        self._emit = emit
+        self._emit_lock = threading.Lock()
+
+    def emit(self, event: tuple[Any, ...]) -> None:
+        """Send an event out (from the step loop, or the chain's I/O thread for a cache reply)."""
+        with self._emit_lock:
+            self._emit(event)
 
     def run(self, receive: Receive) -> None:
         """Loop until a ``shutdown`` command; ``receive(timeout)`` returns the pending commands."""
@@ -142,6 +153,9 @@ class EngineLoop:
                     self.emit(("reply", command[1], {"ok": True, "tiers": tiers}))
                 except (ValueError, OSError) as exc:
                     self.emit(("reply", command[1], {"ok": False, "error": str(exc)}))
+            elif kind == "cache":
+                token = command[1]
+                self.core.cache_control(command[2], lambda value: self.emit(("reply", token, value)))
             elif kind == "shutdown":
                 return False
             else:
@@ -150,6 +164,9 @@ class EngineLoop:
             logger.exception("engine command %s failed", kind)
             if kind == "add":
                 self.emit(("fail", command[1].request_id, FailInfo.of(exc)))
+            elif kind == "cache":  # the caller waits for an answer: give it the error
+                self.emit(("reply", command[1], {"ok": False, "status": 500, "code": "engine_error", "param": None,
+                                                 "message": f"engine error: {type(exc).__name__}: {exc}"}))
         return True
 
     def step(self) -> None:

@@ -39,6 +39,22 @@ class PrefixCacheSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheControlSnapshot:
+    pinned_blocks: dict[str, int] = _doc("blocks held by pins or prefetch protections, per tier holding them now "
+                                         "(device, host, disk)", None)
+    pinned_keys: int = _doc("blocks pinned until unpinned", 0)
+    protected_keys: int = _doc("blocks held only by a prefetch's protection, until its TTL", 0)
+    held_by_tenant: dict[str, int] = _doc("blocks each tenant holds pinned or protected", None)
+    pin_limit: int = _doc("most blocks pins and protections may hold together (3/4 of the host tier)", 0)
+    requests: dict[str, int] = _doc("cache control calls by operation: lookup, prefetch, pin, unpin, delete", None)
+    prefetches_in_flight: int = _doc("prefetches whose blocks are being read", 0)
+    prefetched_blocks: dict[str, int] = _doc("blocks prefetches brought up into host memory, by source tier", None)
+    expired_protections: int = _doc("prefetch protections that ran out (their blocks became ordinary)", 0)
+    dropped_blocks: dict[str, int] = _doc("blocks deletes dropped, per tier", None)
+    skipped_in_use: int = _doc("device blocks deletes left to the running requests holding them", 0)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     num_waiting: int = _doc("sequences waiting for a slot", 0)
     num_running: int = _doc("sequences in the running batch", 0)
@@ -75,6 +91,8 @@ class EngineSnapshot:
     archetype: dict[str, Any] = _doc("the KV-cache archetype now (docs/archetype.md)", None)
     timing: dict[str, Any] = _doc("per-request engine timings: TTFT parts, TPOT (histograms)", None)
     gaps: dict[str, Any] = _doc("the survey's gap metrics (docs/metrics.md)", None)
+    cache_control: CacheControlSnapshot = _doc("pins, prefetches and drops of the cache control API "
+                                               "(docs/cache_api.md)", None)
     engine_pid: int = _doc("the engine process's pid", 0)
     engine_threads: dict[str, int | None] = _doc("thread ids: `owner` loaded the model, `step` runs steps", None)
 
@@ -82,6 +100,7 @@ class EngineSnapshot:
         """Plain JSON values, as they cross the process boundary."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["prefix_cache"] = {f.name: getattr(self.prefix_cache, f.name) for f in fields(PrefixCacheSnapshot)}
+        out["cache_control"] = {f.name: getattr(self.cache_control, f.name) for f in fields(CacheControlSnapshot)}
         return out
 
 
@@ -111,7 +130,7 @@ def take(core: EngineCore) -> EngineSnapshot:
         hash_time_s=c.hash_time_s, num_loading=core.num_loading, promoted_blocks=pc.promoted_blocks,
         prefill_tokens_per_s=core.prefill_tokens_per_s, tiers=tiers, tier_kinds=list(factory.KINDS),
         archetype=archetype(core, tiers), timing=core.telemetry.snapshot(), gaps=gaps(core),
-        engine_pid=os.getpid(), engine_threads={"owner": core.owner_thread, "step": core.step_thread})
+        cache_control=core.control.snapshot(), engine_pid=os.getpid(), engine_threads={"owner": core.owner_thread, "step": core.step_thread})
 
 
 def archetype(core: EngineCore, tiers: dict[str, Any]) -> dict[str, Any]:
@@ -156,6 +175,7 @@ def schema_markdown() -> str:
     out: list[str] = []
     for cls, title in ((EngineSnapshot, "`/admin/metrics` (engine part, top level)"),
                        (PrefixCacheSnapshot, "`prefix_cache`"),
+                       (CacheControlSnapshot, "`cache_control` (docs/cache_api.md)"),
                        (TierSnapshot, "`tiers.<name>` (each attached tier)")):
         out += [f"#### {title}", "", "| field | type | meaning |", "|---|---|---|"]
         for f in fields(cls):

@@ -372,6 +372,7 @@
     renderTenants(obj(obj(m.requests).tenants), obj(obj(obj(m.prefix_cache).quota).owners));
     renderStatuses(obj(obj(m.requests).by_status));
     renderFacts(m);
+    renderCacheControl(obj(m.cache_control));
     renderGaps(obj(m.gaps));
     $("updated").textContent = "updated " + new Date().toLocaleTimeString("en-GB");
   }
@@ -655,6 +656,40 @@
     ];
     const box = $("engine-facts");
     clear(box);
+    for (const [label, value] of facts) {
+      const row = el("div");
+      row.appendChild(el("dt", "", label));
+      row.appendChild(el("dd", "", value || "–"));
+      box.appendChild(row);
+    }
+  }
+
+  function perKey(counts) {
+    const entries = Object.entries(obj(counts));
+    return entries.length ? entries.map(([k, v]) => k + " " + fmtInt(v)).join(" · ") : "none";
+  }
+
+  function renderCacheControl(c) {
+    const box = $("cache-facts");
+    clear(box);
+    if (!Object.keys(c).length) {
+      box.appendChild(el("div", "empty", "no data yet"));
+      return;
+    }
+    const requests = obj(c.requests);
+    const facts = [
+      ["pinned blocks, where they are now", perKey(c.pinned_blocks)],
+      ["pins / prefetch protections", fmtInt(c.pinned_keys) + " / " + fmtInt(c.protected_keys) +
+        (isNum(c.pin_limit) ? " (at most " + fmtInt(c.pin_limit) + " in all)" : "")],
+      ["held per tenant", perKey(c.held_by_tenant)],
+      ["requests", ["lookup", "prefetch", "pin", "unpin", "delete"]
+        .map((op) => op + " " + fmtInt(requests[op] || 0)).join(" · ")],
+      ["prefetched blocks, by source", perKey(c.prefetched_blocks) +
+        (c.prefetches_in_flight ? " (" + fmtInt(c.prefetches_in_flight) + " in flight)" : "")],
+      ["expired protections", fmtInt(c.expired_protections)],
+      ["dropped blocks, by tier", perKey(c.dropped_blocks) +
+        (c.skipped_in_use ? " (" + fmtInt(c.skipped_in_use) + " in use, skipped)" : "")],
+    ];
     for (const [label, value] of facts) {
       const row = el("div");
       row.appendChild(el("dt", "", label));

@@ -7,6 +7,9 @@ tier whose codec halves a block holds twice the blocks; ``capacity_blocks`` is w
 holds of blocks of the tier's own codec. Blocks outlive restarts: the index is rebuilt when the tier starts. It is read by the
 step loop and changed by the I/O loop, under one lock. A folder that vanished under it is made
 again (its blocks counted lost), and another folder found in its place is indexed afresh.
+
+Blocks named by ``protected`` (pins of the cache control API, engine/cache_control.py) are passed
+over by eviction while another block can go; only a disk full of them evicts one after all.
 """
 
 from __future__ import annotations
@@ -14,15 +17,16 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+from collections.abc import Collection, Hashable
 from pathlib import Path
 
-from cache.quota import UNKNOWN, QuotaLedger
+from cache.quota import UNKNOWN
 from cache.telemetry import BlockLife
 from cache.tiers.codec import BlockFormat
 from cache.tiers.disk_files import HASH_HEX, SUFFIX, block_path, scan, unlink
 from cache.tiers.folders import identity
 from cache.tiers.kv_codec import CODECS, check_codec
-from cache.tiers.policy import make_policy
+from cache.tiers.policy import ProtectedPolicy, ProtectingLedger, make_policy
 from cache.tiers.stats import TierStats
 
 logger = logging.getLogger(__name__)
@@ -42,7 +46,9 @@ class DiskIndex:
         self.capacity_blocks = capacity_bytes // self.record_size
         if self.capacity_blocks <= 0:
             raise ValueError(f"disk tier of {capacity_bytes} bytes holds no block of {self.record_size} bytes")
-        self.policy = make_policy(policy, self.capacity_blocks)
+        # keys eviction passes over while it can (pins; see the module docstring): set by the cache control
+        self.protected: Collection[bytes] = frozenset()
+        self.policy = ProtectedPolicy(make_policy(policy, self.capacity_blocks), self._is_protected, strict=False)
         self.policy_name = policy
         self.stats = TierStats()
         self.life = BlockLife()  # written on the I/O loop (reads, writes, evictions)
@@ -50,7 +56,7 @@ class DiskIndex:
         self._index: dict[bytes, int] = {}  # block → bytes of its record
         self._bytes = 0  # of the records indexed
         # who wrote each block (files found at start: unknown); tenants' disk quotas
-        self.ledger = QuotaLedger(self.capacity_blocks)
+        self.ledger = ProtectingLedger(self.capacity_blocks, self._is_protected)
         self._reserved = 0  # slots held by writes in flight
         self._reserved_bytes = 0  # their records' bytes
         self._folder_problem: str | None = None  # why the folder cannot be used now (None: it can)
@@ -66,6 +72,14 @@ class DiskIndex:
         self.rebuilt = self._rebuild()
 
     # ---- lookups (any thread) ----------------------------------------------------------------
+    def _is_protected(self, key: Hashable) -> bool:
+        return key in self.protected  # type: ignore[operator]
+
+    def keys_of(self, owner: str) -> list[bytes]:
+        """The blocks ``owner`` wrote here (files found at start have no known owner)."""
+        with self._lock:
+            return list(self.ledger.oldest(owner))  # type: ignore[arg-type]
+
     def __contains__(self, key: bytes) -> bool:
         with self._lock:
             return key in self._index

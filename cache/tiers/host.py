@@ -13,21 +13,27 @@ copying bytes — `adopt` (a demotion: the tier takes the evicted block's row an
 its free rows) and `surrender` (a promotion: it gives the block's row to the device block and
 takes that block's old row as a free one). Either way every row has exactly one owner, the pool
 or this tier, and the tier's capacity in rows never changes.
+
+Blocks named by ``protected`` (a container of keys: the pins and prefetch protections of the cache
+control API, engine/cache_control.py) are never chosen for eviction, by the policy nor by a
+tenant quota. When every block the tier could evict is protected, an incoming block passes
+through to the tier below instead of taking one's place (as a block of an owner whose host quota
+is 0 does); the caller bounds how much may be protected, so that this stays an edge case.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from typing import Any
 
 import numpy
 import torch
 
-from cache.quota import UNKNOWN, QuotaLedger, pick_victim
+from cache.quota import UNKNOWN, pick_victim
 from cache.telemetry import BlockLife
 from cache.tiers.base import TierTraits
-from cache.tiers.policy import make_policy
+from cache.tiers.policy import AllProtected, ProtectedPolicy, ProtectingLedger, make_policy
 from cache.tiers.stats import RateEstimate, TierStats
 
 # How many eviction candidates a host eviction looks at for one that need not be kept.
@@ -63,12 +69,15 @@ class HostTier:
             self._unclean = set()
         self._index: dict[bytes, int] = {}
         self._reserved: set[int] = set()  # slots a disk read is filling (see `reserve`)
-        self.policy = make_policy(policy, self.capacity_blocks)
+        # keys eviction passes over (pins; see the module docstring): set by the cache control
+        self.protected: Collection[bytes] = frozenset()
+        self.policy = ProtectedPolicy(make_policy(policy, self.capacity_blocks), self._is_protected)
         self.policy_name = policy
         self.stats = TierStats()
         self.rate = RateEstimate(bytes_per_s=5e9, latency_s=1e-5)
         self.life = BlockLife()
-        self.ledger = QuotaLedger(self.capacity_blocks)  # who holds what; tenants' host quotas
+        # who holds what; tenants' host quotas (never taking a protected block)
+        self.ledger = ProtectingLedger(self.capacity_blocks, self._is_protected)
         # eviction passes over a victim for which keep(key) is true while another exists (the
         # chain: a block not yet on disk while disk writes are backed up)
         self.keep: Callable[[bytes], bool] | None = None
@@ -81,9 +90,20 @@ class HostTier:
         """At most ``blocks`` of ``owner``'s blocks here (None: no limit)."""
         self.ledger.set_limit(owner, blocks)
 
+    def _is_protected(self, key: Hashable) -> bool:
+        return key in self.protected  # type: ignore[operator]
+
+    def _admits(self, owner: str) -> bool:
+        """Whether a block of ``owner`` may come in: its quota is not 0, and at its quota it still
+        holds an unprotected block to give up for it."""
+        if not self.ledger.admits(owner):
+            return False
+        return not self.ledger.at_quota(owner) or self.ledger.has_unprotected(owner)
+
     def describe(self) -> dict[str, Any]:
         return {"quota": self.ledger.snapshot(), "shares_device_slab": self.shared,
-                "kept_unpersisted": self.kept}  # evictions that passed over a block not on disk
+                "kept_unpersisted": self.kept,  # evictions that passed over a block not on disk
+                "pinned": sum(1 for key in self.protected if key in self._index)}  # blocks held here for a pin
 
     def __len__(self) -> int:
         return len(self._index)
@@ -103,9 +123,9 @@ class HostTier:
         if key in self._index:
             self.touch(key)
             return []
-        if not self.ledger.admits(owner) or not self._free and not self._index:  # (all slots reserved)
+        evicted = self._make_room(owner) if self._admits(owner) else None
+        if evicted is None:  # (a quota of 0, all slots reserved, or every block protected)
             return [(key, src.cpu().numpy().tobytes() if isinstance(src, torch.Tensor) else bytes(src), owner)]
-        evicted = [self._evict_one(owner)] if not self._free or self.ledger.at_quota(owner) else []
         slot = self._free.pop()
         t0 = time.perf_counter()
         if isinstance(src, torch.Tensor):
@@ -134,7 +154,9 @@ class HostTier:
         False) no slot is free."""
         if not self.ledger.admits(owner) or not self._free and (not self._index or not evict):
             return None
-        evicted = [] if self._free else [self._evict_one(owner)]
+        evicted = [] if self._free else self._make_room(owner, for_quota=False)
+        if evicted is None:
+            return None
         slot = self._free.pop()
         self._reserved.add(slot)
         return slot, self.slots[slot].numpy().data, evicted
@@ -153,9 +175,9 @@ class HostTier:
             self._free.append(slot)
             self.touch(key)
             return []
-        evicted = [self._evict_one(owner)] if self.ledger.at_quota(owner) else []
-        self._index_slot(key, slot, owner)
-        return evicted
+        victim = self._evict_one(owner) if self.ledger.at_quota(owner) else None
+        self._index_slot(key, slot, owner)  # (over the quota by one when all it holds is protected)
+        return [victim] if victim is not None else []
 
     def _index_slot(self, key: bytes, slot: int, owner: str, copied: bool = True) -> None:
         """``slot`` now holds ``key``'s block for ``owner``: index it and count the write (bytes
@@ -209,9 +231,9 @@ class HostTier:
         if key in self._index:
             self.touch(key)
             return row, []
-        if not self.ledger.admits(owner) or not self._free and not self._index:
+        evicted = self._make_room(owner) if self._admits(owner) else None
+        if evicted is None:
             return None
-        evicted = [self._evict_one(owner)] if not self._free or self.ledger.at_quota(owner) else []
         spare = self._free.pop()
         if spare in self._unclean:
             self._unclean.discard(spare)
@@ -292,16 +314,37 @@ class HostTier:
     def keys(self) -> Iterator[bytes]:
         return iter(list(self._index))
 
-    def _pick(self, owner: str) -> bytes:
+    def _make_room(self, owner: str, for_quota: bool = True) -> list[tuple[bytes, bytes, str]] | None:
+        """Evict what one more block of ``owner`` needs — a block when no slot is free, or (with
+        ``for_quota``) one of its own when it is at its quota — and return it; None when no slot
+        can be had: every slot is reserved, or every block that could go is protected."""
+        if not self._free and not self._index:
+            return None
+        if not self._free or for_quota and self.ledger.at_quota(owner):
+            victim = self._evict_one(owner)
+            if victim is None:
+                return None if not self._free else []
+            return [victim]
+        return []
+
+    def _pick(self, owner: str) -> bytes | None:
         """The policy's victim for ``owner``, passing over kept blocks while another candidate
         exists among the next `KEEP_SCAN` (those passed over go back in as just used, in their
-        order); when none is found, the policy's own victim leaves."""
-        key: bytes = pick_victim(self.policy, self.ledger, owner)  # type: ignore[assignment]
+        order); when none is found, the policy's own victim leaves. Protected blocks are never
+        chosen: None when nothing else is left."""
+        try:
+            key: bytes = pick_victim(self.policy, self.ledger, owner)  # type: ignore[assignment]
+        except AllProtected:
+            return None
         if self.keep is None or not self.keep(key):
             return key
         passed = [key]
         while len(self.policy) and len(passed) < KEEP_SCAN:
-            key = pick_victim(self.policy, self.ledger, owner)  # type: ignore[assignment]
+            try:
+                key = pick_victim(self.policy, self.ledger, owner)  # type: ignore[assignment]
+            except AllProtected:
+                key = passed.pop(0)
+                break
             if not self.keep(key):
                 self.kept += 1
                 break
@@ -312,15 +355,17 @@ class HostTier:
             self.policy.insert(spared)
         return key
 
-    def _evict_one(self, owner: str) -> tuple[bytes, bytes, str]:
+    def _evict_one(self, owner: str) -> tuple[bytes, bytes, str] | None:
         key = self._pick(owner)
+        if key is None:
+            return None
         slot = self._index.pop(key)
         self._leave(slot)
         payload = self.slots[slot].numpy().tobytes()
         self._free.append(slot)
         self.life.removed(key)
         self.stats.evictions += 1
-        return key, payload, self.ledger.remove(key) or UNKNOWN  # type: ignore[return-value]
+        return key, payload, self.ledger.remove(key) or UNKNOWN
 
     def check_invariants(self) -> None:
         assert len(self._index) + len(self._free) + len(self._reserved) == self.capacity_blocks

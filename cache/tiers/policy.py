@@ -3,6 +3,10 @@
 A policy only orders keys; the tier owns the data. ``insert`` a new key, ``touch`` it on a hit,
 ``remove`` it when deleted, and ask ``evict`` for the next victim when full.
 
+Pinned blocks (the cache control API: engine/cache_control.py) stay in the tier however cold
+they get: `ProtectedPolicy` wraps a policy so that ``evict`` passes over the keys a ``protected``
+predicate names, and `ProtectingLedger` keeps a tenant quota's choice off them too.
+
 S3-FIFO (Yang et al., SOSP 2023) resists scans: new keys enter a small FIFO (10 %); those hit
 again while there move to the main FIFO, the rest leave and are remembered in a ghost list, so a
 key seen twice in a while goes straight to main. One-off long prompts then pass through the
@@ -12,8 +16,10 @@ small queue without pushing a hot prefix out of main, where LRU would evict the 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Protocol
+
+from cache.quota import QuotaLedger
 
 
 class EvictionPolicy(Protocol):
@@ -103,6 +109,70 @@ class S3FIFOPolicy:
 
     def __len__(self) -> int:
         return len(self._freq)
+
+
+class AllProtected(LookupError):
+    """Every key a strict `ProtectedPolicy` orders is protected: nothing may be evicted."""
+
+
+class ProtectedPolicy:
+    """A policy whose ``evict`` passes over protected keys (pins), in the inner policy's order.
+
+    Keys passed over go back in as just inserted, so the next eviction does not meet them again
+    at once. When every key is protected, a ``strict`` policy raises `AllProtected` (the host tier
+    then lets the incoming block pass through to the tier below); a lenient one evicts the first
+    protected key after all (a disk tier must make room for a write it already accepted).
+    """
+
+    def __init__(self, inner: EvictionPolicy, protected: Callable[[Hashable], bool], strict: bool = True) -> None:
+        self.inner = inner
+        self.protected = protected
+        self.strict = strict
+
+    def insert(self, key: Hashable) -> None:
+        self.inner.insert(key)
+
+    def touch(self, key: Hashable) -> None:
+        self.inner.touch(key)
+
+    def remove(self, key: Hashable) -> None:
+        self.inner.remove(key)
+
+    def evict(self) -> Hashable:
+        passed: list[Hashable] = []
+        try:
+            while len(self.inner):
+                key = self.inner.evict()
+                if not self.protected(key):
+                    return key
+                passed.append(key)
+            if self.strict or not passed:
+                raise AllProtected("every block of the tier is pinned")
+            return passed.pop(0)
+        finally:
+            for key in passed:
+                self.inner.insert(key)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+class ProtectingLedger(QuotaLedger):
+    """A quota ledger whose choice of victim never falls on a protected key (a pin): a tenant at
+    its quota gives up its oldest unpinned block, and a tenant over its fair share loses unpinned
+    blocks only."""
+
+    def __init__(self, capacity: int, protected: Callable[[Hashable], bool]) -> None:
+        super().__init__(capacity)
+        self.protected = protected
+
+    def choose(self, owner: str, policy_choice: Hashable | None,
+               evictable: Callable[[Hashable], bool] = lambda key: True) -> Hashable | None:
+        return super().choose(owner, policy_choice, lambda key: evictable(key) and not self.protected(key))
+
+    def has_unprotected(self, owner: str) -> bool:
+        """Whether ``owner`` holds a block here that is not protected (one it could give up)."""
+        return any(not self.protected(key) for key in self.oldest(owner))
 
 
 POLICIES = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}

@@ -91,17 +91,25 @@ class RemoteTier:
         self._logged = False
         # owner → (opaque tag, quota in blocks or None): who is accounted in Redis (see `put`)
         self._accounts: dict[str, tuple[str, int | None]] = {}
+        self._tracked: set[str] = set()  # owners accounted without a quota too (`track_owner`)
         self.quota_evictions = 0
         # block hashes a quota deleted (I/O loop appends, step loop drains: the chain forgets it sent them)
         self.unstored: collections.deque[bytes] = collections.deque(maxlen=65536)
 
     def apply_quota(self, owner: str, tag: str, blocks: int | None) -> None:
         """Account ``owner``'s writes under ``tag`` and keep at most ``blocks`` of them (None: no
-        quota, nothing accounted)."""
-        if blocks is None:
+        quota; an owner that is tracked stays counted, see `track_owner`)."""
+        if blocks is None and owner not in self._tracked:
             self.drop_account(owner)
         else:
             self.set_account(owner, tag, blocks)
+
+    def track_owner(self, owner: str, tag: str) -> None:
+        """Account ``owner``'s writes under ``tag`` even without a quota (count only), so that
+        `delete_owner` can find every block it wrote; a quota already set stays."""
+        self._tracked.add(owner)
+        if owner not in self._accounts:
+            self._accounts[owner] = (tag, None)
 
     def describe(self) -> dict[str, Any]:
         return {"url": self.safe_url(), "cluster": self.cluster,
@@ -353,6 +361,48 @@ class RemoteTier:
             self.quota_evictions += len(victims)
             self.stats.evictions += len(victims)
             self.unstored.extend(bytes.fromhex(v[len(self.prefix):]) for v in victims if v.startswith(self.prefix))
+
+    async def delete(self, keys: Sequence[bytes], tag: str | None = None) -> int | None:
+        """Delete the blocks ``keys`` (and their entries in the account ``tag``, if given) in one
+        pipeline; how many existed, or None when the store did not answer. Their hashes go to
+        `unstored`, so the chain sends them again when they are next computed."""
+        if not keys:
+            return 0
+        names = [self.key(k) for k in keys]
+
+        def build(pipe: Any) -> None:
+            for name in names:
+                pipe.delete(name)
+            if tag is not None:
+                pipe.zrem(self.account_key(tag), *names)
+
+        result = await self._run(build)
+        if result is None:
+            return None
+        self.unstored.extend(keys)
+        return sum(int(bool(n)) for n in result[:len(names)])
+
+    async def delete_owner(self, tag: str, batch: int = 512) -> int | None:
+        """Delete every block accounted to ``tag`` (`track_owner`, quotas), whichever replica wrote
+        it, and the account itself; how many blocks existed, or None when the store did not answer
+        (what was deleted before stays deleted). Blocks written while no account was kept (a
+        replica of an older version) are not found."""
+        zkey = self.account_key(tag)
+        listed = await self._run(lambda pipe: [pipe.zrange(zkey, 0, -1)])
+        if listed is None:
+            return None
+        names = [m.decode() if isinstance(m, bytes) else str(m) for m in listed[0]]
+        deleted = 0
+        for start in range(0, len(names), batch):
+            chunk = names[start:start + batch]
+            result = await self._run(lambda pipe, chunk=chunk: [pipe.delete(name) for name in chunk])
+            if result is None:
+                return None
+            deleted += sum(int(bool(n)) for n in result)
+            self.unstored.extend(bytes.fromhex(n[len(self.prefix):]) for n in chunk if n.startswith(self.prefix))
+        if await self._run(lambda pipe: [pipe.zrem(zkey, *names)] if names else [pipe.exists(zkey)]) is None:
+            return None
+        return deleted
 
     async def close(self) -> None:
         await self._reset()
