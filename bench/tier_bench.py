@@ -19,6 +19,11 @@ same pipelined GETs over a plain socket, nothing parsed (Redis).
 times in shuffled order with the default device pool, then once more after a restart (a new
 engine on the same disk folder); mean TTFT per pass.
 
+``--codecs none,bf16,fp16,int8`` repeats all of it once per KV codec of the disk and Redis tiers
+(a fresh engine, disk folder and prompts for each; Redis emptied between them when it is the
+private one), and reports the codecs side by side: TTFT and speed-up per tier, and the bytes per
+block written to and read from each tier.
+
     .venv/bin/python -m bench.tier_bench --json-out docs/bench_tiers.json --plot-out docs/bench_tiers.png
 """
 
@@ -39,6 +44,7 @@ from typing import Any
 import numpy
 import torch
 
+from cache.tiers.kv_codec import CODECS
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.outputs import GenerateRequest
@@ -61,11 +67,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="give the host tier a slab of its own and copy blocks to and from the device, instead "
                         "of sharing the device pool's tensor and trading rows (the default on CPU)")
     p.add_argument("--revisit", action="store_true", help="also run the 40-document revisit workload")
+    p.add_argument("--codecs", default="none",
+                   help="comma-separated KV codecs of the disk and Redis tiers, each measured in turn: none, "
+                        "bf16, fp16, int8 (default none)")
     p.add_argument("--docs", type=int, default=40, help="revisit: number of documents (default 40)")
     p.add_argument("--doc-tokens", type=int, default=1500, help="revisit: tokens per document (default 1500)")
     p.add_argument("--json-out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--plot-out", type=Path, default=None, help="write a PNG plot here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    for codec in args.codecs:
+        if codec not in CODECS:
+            p.error(f"--codecs: unknown codec {codec!r}; choose from {', '.join(CODECS)}")
+    return args
 
 
 def say(message: str) -> None:
@@ -73,18 +87,20 @@ def say(message: str) -> None:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, disk_dir: str) -> None:
+    def __init__(self, args: argparse.Namespace, disk_dir: str, codec: str = "none", seed: int = 0) -> None:
         self.args = args
         self.disk_dir = disk_dir
+        self.codec = codec
         self.core = self.new_core()
-        self.rng = random.Random(0)
+        self.rng = random.Random(seed)
         self.n = 0
 
     def new_core(self, num_blocks: int = 1024) -> EngineCore:
         return EngineCore(EngineConfig(model=self.args.model, host_cache_mb=self.args.host_mb,
                                        share_host_slab=not self.args.copy_host,
                                        disk_cache_path=self.disk_dir, num_blocks=num_blocks,
-                                       remote_cache_url=self.args.redis_url, remote_timeout_s=5.0))
+                                       remote_cache_url=self.args.redis_url, remote_timeout_s=5.0,
+                                       disk_codec=self.codec, remote_codec=self.codec))
 
     def ids(self, n: int) -> list[int]:
         vocab = self.core.vocab_size
@@ -199,6 +215,7 @@ def tier_section(bench: Bench) -> dict[str, Any]:
     redis_bps = redis_one_bps = redis_py_bps = None
     if core.chain.shared is not None:
         redis_bps, redis_one_bps, redis_py_bps = redis_ceilings(args.redis_url, nblocks, core.chain.shared.fmt.record_size)
+    per_block = bytes_per_block(core)
     med = {tier: statistics.median(r["ttft_s"] for r in rows) for tier, rows in results.items()}
     copied = [r["load_bytes"] / r["load_s"] for r in results["host"] if r.get("load_s") and r["load_bytes"]]
     host_bps = statistics.median(copied) if copied else None  # None: rows traded, nothing copied
@@ -215,7 +232,19 @@ def tier_section(bench: Bench) -> dict[str, Any]:
             "redis_py_get_bytes_per_s": redis_py_bps,
             "remote_load_bytes_per_s": statistics.median(r["load_bytes"] / r["load_s"] for r in results["remote"]
                                                          if r.get("load_s")) if "remote" in results else None,
-            "block_bytes": block_bytes, "blocks": nblocks}
+            "block_bytes": block_bytes, "blocks": nblocks, "bytes_per_block": per_block}
+
+
+def bytes_per_block(core: EngineCore) -> dict[str, float | None]:
+    """Mean bytes per block written to and read from the disk and Redis tiers so far (records:
+    header and encoded values)."""
+    chain = core.chain
+    out: dict[str, float | None] = {}
+    for name, tier, count in (("disk", chain.store, "writes"), ("remote", chain.shared, "puts")):
+        s = tier.stats if tier is not None else None
+        out[f"{name}_written"] = s.bytes_written / getattr(s, count) if s and getattr(s, count) else None
+        out[f"{name}_read"] = s.bytes_read / s.hits if s and s.hits else None
+    return out
 
 
 def median_rate(run: Any, passes: int = 3) -> float:
@@ -363,24 +392,65 @@ def print_tables(out: dict[str, Any]) -> None:
             print(f"| {label} | {ttft * 1000:.0f} ms | {c:.0f} |")
 
 
+def print_codec_tables(out: dict[str, Any]) -> None:
+    codecs = out["codecs"]
+    names = list(codecs)
+    first = codecs[names[0]]["tiers"]
+    print(f"\nBy KV codec of the disk and Redis tiers: TTFT (speed-up vs recompute in the same engine), medians "
+          f"of {out['args']['repeats']}\n")
+    print("| where the prefix is | " + " | ".join(names) + " |")
+    print("|---|" + "---:|" * len(names))
+    for tier in first["ttft_median_s"]:
+        cells = [f"{c['tiers']['ttft_median_s'][tier] * 1000:.0f} ms ({c['tiers']['speedup_vs_recompute'][tier]:.1f}×)"
+                 for c in codecs.values()]
+        print(f"| {tier} | " + " | ".join(cells) + " |")
+    print("\n| bytes per block | " + " | ".join(names) + " |")
+    print("|---|" + "---:|" * len(names))
+    for key in first["bytes_per_block"]:
+        cells = [f"{v / 1024:.0f} KiB" if (v := c["tiers"]["bytes_per_block"][key]) else "n/a" for c in codecs.values()]
+        print(f"| {key.replace('_', ' ')} | " + " | ".join(cells) + " |")
+    if "revisit" in first or "revisit" in codecs[names[0]]:
+        labels = codecs[names[0]]["revisit"]["labels"]
+        print("\n| revisit: mean TTFT | " + " | ".join(names) + " |")
+        print("|---|" + "---:|" * len(names))
+        for i, label in enumerate(labels):
+            print(f"| {label} | " + " | ".join(f"{c['revisit']['mean_ttft_s'][i] * 1000:.0f} ms"
+                                            for c in codecs.values()) + " |")
+
+
 def plot(out: dict[str, Any], path: Path) -> None:
+    """TTFT per tier (log scale) and, with --revisit, mean TTFT per pass; one bar per codec."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    codecs = out.get("codecs") or {"none": {"tiers": out["tiers"], **({"revisit": out["revisit"]}
+                                                                      if "revisit" in out else {})}}
+    names = list(codecs)
+    colors = ["#27a", "#2a7", "#a72", "#a27"]
+    width = 0.8 / len(names)
     panels = 2 if "revisit" in out else 1
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.2))
     axes = axes if panels > 1 else [axes]
-    med = out["tiers"]["ttft_median_s"]
-    tiers = list(med)
-    axes[0].bar(tiers, [med[t] * 1000 for t in tiers], color=["#999", "#2a7", "#27a", "#a72", "#a27"][: len(tiers)])
+    tiers = list(out["tiers"]["ttft_median_s"])
+    for j, name in enumerate(names):
+        med = codecs[name]["tiers"]["ttft_median_s"]
+        axes[0].bar([i + (j - (len(names) - 1) / 2) * width for i in range(len(tiers))],
+                    [med[t] * 1000 for t in tiers], width, label=name, color=colors[j % len(colors)])
+    axes[0].set_xticks(range(len(tiers)), tiers)
     axes[0].set_yscale("log")
     axes[0].set_ylabel("TTFT, ms (log)")
     axes[0].set_title(f"{out['args']['cached_tokens']} of {out['args']['prompt_tokens']} tokens cached in one tier")
+    if len(names) > 1:
+        axes[0].legend(title="disk/Redis codec", fontsize=8)
     if "revisit" in out:
-        rv = out["revisit"]
-        axes[1].bar(rv["labels"], [t * 1000 for t in rv["mean_ttft_s"]])
+        labels = out["revisit"]["labels"]
+        for j, name in enumerate(names):
+            axes[1].bar([i + (j - (len(names) - 1) / 2) * width for i in range(len(labels))],
+                        [t * 1000 for t in codecs[name]["revisit"]["mean_ttft_s"]], width, label=name,
+                        color=colors[j % len(colors)])
+        axes[1].set_xticks(range(len(labels)), labels)
         axes[1].set_ylabel("mean TTFT, ms")
         axes[1].set_title(f"revisit: {out['args']['docs']} docs × 3 passes, then restart")
     fig.tight_layout()
@@ -395,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.redis_url is None and shutil.which("redis-server"):
         redis_proc, args.redis_url = start_redis()
     try:
-        return run(args)
+        return run(args, private_redis=redis_proc is not None)
     finally:
         if redis_proc is not None:
             redis_proc.terminate()
@@ -419,18 +489,26 @@ def start_redis() -> tuple[subprocess.Popen, str]:
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
-def run(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory(prefix="kvgate-tier-bench-") as disk_dir:
-        say(f"loading {args.model}; disk tier in {disk_dir}")
-        bench = Bench(args, disk_dir)
-        out: dict[str, Any] = {"args": vars(args) | {"json_out": None, "plot_out": None}}
-        try:
-            out["tiers"] = tier_section(bench)
-            if args.revisit:
-                out["revisit"] = revisit_section(bench)
-        finally:
-            bench.core.close()
+def run(args: argparse.Namespace, private_redis: bool = False) -> int:
+    out: dict[str, Any] = {"args": vars(args) | {"json_out": None, "plot_out": None}, "codecs": {}}
+    for i, codec in enumerate(args.codecs):
+        if private_redis and i:
+            subprocess.run(["redis-cli", "-u", args.redis_url, "flushall"], check=True, capture_output=True)
+        with tempfile.TemporaryDirectory(prefix="kvgate-tier-bench-") as disk_dir:
+            say(f"codec {codec}: loading {args.model}; disk tier in {disk_dir}")
+            bench = Bench(args, disk_dir, codec, seed=i)
+            part: dict[str, Any] = {}
+            try:
+                part["tiers"] = tier_section(bench)
+                if args.revisit:
+                    part["revisit"] = revisit_section(bench)
+            finally:
+                bench.core.close()
+        out["codecs"][codec] = part
+    out.update(out["codecs"][args.codecs[0]])  # the first codec's figures, in the single-codec layout
     print_tables(out)
+    if len(args.codecs) > 1:
+        print_codec_tables(out)
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(out, indent=1, default=str))
     if args.plot_out is not None:
