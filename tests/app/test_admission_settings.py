@@ -10,14 +10,9 @@ import pytest
 from app.settings import ConfigError, load_settings
 from cache.tiers import factory
 from engine.config import EngineConfig
+from tests.app.test_codec_settings import _write
 
 pytestmark = pytest.mark.unit
-
-
-def _write(tmp_path: Path, text: str) -> str:
-    path = tmp_path / "kvgate.toml"
-    path.write_text(text)
-    return str(path)
 
 
 def test_admission_reaches_the_engine_and_the_remote_options(tmp_path: Path) -> None:
