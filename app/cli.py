@@ -1,4 +1,5 @@
-"""The `kvgate` command: `serve`, `build-tiny-model` and `trace export|replay` (`app.trace_cli`).
+"""The `kvgate` command: `serve`, `route` (`app.router.cli`), `build-tiny-model` and `trace
+export|replay` (`app.trace_cli`).
 
 Heavy imports (torch, transformers, the app) happen inside the subcommands, and `serve` checks
 what can fail fast (the configuration, the listening address, whether the model exists) before
@@ -32,7 +33,8 @@ configuration:
   Sections: [model] path/dtype/max_model_len, [server] host/port/max_queue/secret/
   max_body_bytes/shutdown_timeout_s/max_fanout (most engine sequences one request may start,
   prompts x n; default 128)/docs (public|auth|off: /docs and /openapi.json; default public,
-  auth once tenants exist), [engine] device/max_num_seqs/max_num_batched_tokens/
+  auth once tenants exist)/role (both: a whole replica, default; prefill or decode: one side of a
+  Disaggregated-Pipeline, the KV shipped through [cache.remote]; docs/disaggregated.md), [engine] device/max_num_seqs/max_num_batched_tokens/
   num_threads/enable_prefix_caching/pack_weights/native_kernels (CPU attention kernel and
   fused ops, built once with the machine's C++ compiler)/fast_decoder (Llama-family layers
   without transformers' modules)/metrics (TTFT parts and block lives in
@@ -48,6 +50,9 @@ configuration:
   (where POST /admin/tiers may attach a disk tier), [cache.remote] url/cluster/ttl_s/write
   (through: every block as computed; back: as it leaves CPU memory, if admitted; selective: on
   its first reuse; default through)/codec (as [cache.disk]; section absent = off),
+  [events] endpoint (a ZMQ PUB address such as tcp://*:5557: every block stored or dropped is
+  announced in vLLM's KV event layout, for `kvgate route`; unset = off)/replay_endpoint/topic/
+  max_queue (docs/events.md),
   [admin] api_key, [[tenants]] name/api_keys/share_group/quota, [[public_prefixes]]
   name/text|system|token_ids (shared by every tenant). Unknown keys are errors.
 
@@ -118,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="log level (default: info)")
     serve.set_defaults(func=_serve)
+
+    from app.router.cli import add_parser as add_route_parser
+
+    add_route_parser(commands)
 
     tiny = commands.add_parser(
         "build-tiny-model", help="write a small deterministic Llama model + tokenizer to DIR",

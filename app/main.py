@@ -15,13 +15,23 @@ import asyncio
 import hashlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from app import routes_admin, routes_cache, routes_dashboard, routes_metrics, routes_openai, routes_trace
+from app import (
+    routes_admin,
+    routes_audit,
+    routes_cache,
+    routes_dashboard,
+    routes_metrics,
+    routes_openai,
+    routes_trace,
+)
 from app.api_docs import install_docs
+from app.disagg import ShipCounters
 from app.errors import BodySizeLimitMiddleware, install_exception_handlers
 from app.logging import AccessLogMiddleware, RequestCounters, configure_logging
 from app.public_prefixes import PrefixSpec, PublicPrefixStore
@@ -60,11 +70,14 @@ def create_app(settings: Settings, engine: AsyncEngine | None = None,
     state.counters = RequestCounters()
     state.limiter = RateLimiter()  # per-tenant rate and concurrency limits (tenants.limits)
     state.started_at = int(time.time())
+    state.instance = uuid.uuid4().hex  # this start of the server (`GET /admin/replica`)
+    state.ship_counters = ShipCounters()  # [server] role = "prefill": waits for the shared store
     state.fingerprint = "fp_kvgate"
     install_exception_handlers(app)
     app.include_router(routes_openai.router)
     app.include_router(routes_cache.router)
     app.include_router(routes_admin.router)
+    app.include_router(routes_audit.router)
     app.include_router(routes_metrics.router)
     app.include_router(routes_trace.router)
     app.include_router(routes_dashboard.router)

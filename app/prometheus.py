@@ -28,6 +28,8 @@ TIER_COUNTERS = {  # TierStats field → (metric suffix, help)
     "errors": ("errors", "Failed tier operations (they degrade to a miss)"),
     "corrupt": ("corrupt_blocks", "Blocks found damaged or foreign, deleted and counted as misses"),
     "undecodable": ("undecodable_blocks", "Records of a KV codec this server does not know, deleted and counted as misses"),
+    "unauthentic": ("unauthentic_blocks", "Shared-store records whose MAC failed (planted, altered or written with "
+                                          "another server secret), deleted and counted as misses"),
     "dropped": ("dropped_blocks", "Blocks not stored: back-pressure or a failed write"),
     "metadata_bytes": ("metadata_bytes", "Bytes describing blocks: keys, record headers, existence checks"),
     "handovers": ("handovers", "Blocks moved between the device pool and the tier by trading rows, no bytes copied "
@@ -58,6 +60,7 @@ class _Snapshot(Collector):
         yield from _tiers(s.get("tiers", {}))
         yield from _gaps(s.get("gaps", {}), s.get("timing", {}))
         yield from _cache_control(s.get("cache_control") or {})
+        yield from _events(s.get("events") or {})
         archetype = s.get("archetype") or {}
         if archetype.get("name"):
             info = GaugeMetricFamily("kvgate_archetype_info", "The KV-cache archetype of the running hierarchy "
@@ -224,6 +227,22 @@ def _cache_control(c: dict[str, Any]) -> Iterator[Metric]:
                     "tier", (c.get("dropped_blocks") or {}).items())
     yield _counter("kvgate_cache_delete_skipped_blocks", "Device blocks a cache delete left to the running "
                    "requests holding them", c.get("skipped_in_use", 0))
+
+
+def _events(e: dict[str, Any]) -> Iterator[Metric]:
+    """KV events (docs/events.md), when they are on."""
+    if not e:
+        return
+    blocks = CounterMetricFamily("kvgate_kv_event_blocks", "Blocks announced in KV events, by event and medium "
+                                 "(GPU: the engine's pool, CPU: host, DISK, REMOTE)", labels=["event", "medium"])
+    for event, by_medium in sorted((e.get("blocks") or {}).items()):
+        for medium, n in sorted(by_medium.items()):
+            blocks.add_metric([event, medium], float(n))
+    yield blocks
+    yield _counter("kvgate_kv_event_batches", "KV event batches published", e.get("batches", 0))
+    yield _counter("kvgate_kv_event_resyncs", "Times the event queue overflowed and published AllBlocksCleared "
+                   "instead of what waited", e.get("resyncs", 0))
+    yield _gauge("kvgate_kv_event_queued", "Events waiting for the publisher", e.get("queued", 0))
 
 
 def _gaps(g: dict[str, Any], timing: dict[str, Any]) -> Iterator[Metric]:

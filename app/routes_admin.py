@@ -45,6 +45,23 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse({"status": status}, status_code=503)
 
 
+@router.get("/admin/replica", dependencies=[AdminAccess])
+async def replica(request: Request, engine: Engine) -> dict[str, Any]:
+    """What a router (`kvgate route`) needs to know of this replica: the model and its
+    fingerprint (a prompt's block hashes depend on it), the block size, where KV events are
+    published (null: off), its role (both, prefill or decode: docs/disaggregated.md; a prefill
+    replica's waits for the shared store under ``shipped``), and an id that changes with every
+    start of this server."""
+    events = (await engine.stats()).get("events")
+    state = request.app.state
+    ship = state.ship_counters
+    return {"model": engine.model_name, "fingerprint": engine.fingerprint.hex(),
+            "block_size": state.settings.cache.block_size, "max_model_len": engine.max_model_len,
+            "instance": state.instance, "role": state.settings.server.role,
+            "shipped": {"prompts": ship.waited, "wait_s": ship.wait_s, "late": ship.late},
+            "events": None if events is None else {k: events[k] for k in ("endpoint", "replay_endpoint", "topic")}}
+
+
 class TierChange(BaseModel):
     """Body of `POST /admin/tiers`: attach or detach one cache tier of the running engine.
 

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request, Response
 
 from app.auth import CurrentTenant, Engine
+from app.disagg import await_shipped
 from app.errors import ModelNotFoundError, RateLimitError
 from app.prompts import builder_of, check_fanout
 from app.protocol import (
@@ -72,11 +73,7 @@ async def create_completion(body: CompletionRequest, request: Request, tenant: C
                   prompt_param="prompt", public=public)
     if body.stream:
         return completion_stream(job, body.include_usage)
-    try:
-        result = await _until_disconnect(request, _collect(job))
-    finally:  # also when the collecting task was cancelled before it ever ran
-        job.abort()
-        job.release()
+    result = await _collected(request, job)
     if result is None:
         return Response(status_code=499)
     texts, finish, logprobs = result
@@ -101,11 +98,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                   body.cache_salt, prompt_param="messages", public=public)
     if body.stream:
         return chat_stream(job, body.include_usage)
-    try:
-        result = await _until_disconnect(request, _collect(job))
-    finally:  # also when the collecting task was cancelled before it ever ran
-        job.abort()
-        job.release()
+    result = await _collected(request, job)
     if result is None:
         return Response(status_code=499)
     texts, finish, logprobs = result
@@ -146,7 +139,9 @@ def _submit(request: Request, engine: AsyncEngine, job_id: str, prompts: list[li
     When the job's outputs end, each prompt the engine ran goes into the request trace (`app.trace`).
     """
     request_ids = [job_id] if len(prompts) == 1 else [f"{job_id}-{i}" for i in range(len(prompts))]
-    registry = request.app.state.registry
+    state = request.app.state
+    registry = state.registry
+    public_lens = [public.match(prompt) if cache_salt is None and len(public) else 0 for prompt in prompts]
     tokens = sum(len(p) + (s.max_tokens or 0) * s.n for p, s in zip(prompts, params, strict=True))
     slot = request.app.state.limiter.acquire(tenant.name, tenant.limits, tokens)
     if isinstance(slot, Refusal):
@@ -155,9 +150,9 @@ def _submit(request: Request, engine: AsyncEngine, job_id: str, prompts: list[li
         streams = engine.add_requests([
             GenerateRequest(request_id=request_id, prompt_token_ids=prompt, params=sampling,
                             namespace_salt=tenant.salt, cache_salt=cache_salt, tenant=tenant.name,
-                            public_prefix_len=public.match(prompt) if cache_salt is None and len(public) else 0,
-                            public_salt=registry.public_salt, quota=tenant.quota)
-            for request_id, prompt, sampling in zip(request_ids, prompts, params, strict=True)])
+                            public_prefix_len=public_len, public_salt=registry.public_salt, quota=tenant.quota)
+            for request_id, prompt, sampling, public_len in zip(request_ids, prompts, params, public_lens,
+                                                                strict=True)])
     except InvalidRequestError as exc:
         slot.release()
         if exc.param == "prompt":
@@ -166,10 +161,26 @@ def _submit(request: Request, engine: AsyncEngine, job_id: str, prompts: list[li
     except BaseException:
         slot.release()
         raise
-    return Job(id=job_id, model=engine.model_name, fingerprint=request.app.state.fingerprint,
+    shipped = None
+    if state.settings.server.role == "prefill":  # the decode leg must find the prompts' blocks in the store
+        async def shipped() -> None:
+            await await_shipped(state, engine, tenant, prompts, cache_salt, public_lens)
+    return Job(id=job_id, model=engine.model_name, fingerprint=state.fingerprint,
                engine=engine, tokenizer=engine.tokenizer, request_ids=request_ids, streams=streams,
                n=params[0].n, state=request.state,
-               on_done=trace_recorder(request, prompts, tenant.salt, cache_salt), slot=slot)
+               on_done=trace_recorder(request, prompts, tenant.salt, cache_salt), slot=slot, before_end=shipped)
+
+
+async def _collected(request: Request, job: Job) -> tuple[list[list[str]], list[Any], list[Any]] | None:
+    """The whole job's outputs (None if the client went away), after its ``before_end``."""
+    try:
+        result = await _until_disconnect(request, _collect(job))
+    finally:  # also when the collecting task was cancelled before it ever ran
+        job.abort()
+        job.release()
+    if result is not None and job.before_end is not None:
+        await job.before_end()
+    return result
 
 
 async def _collect(job: Job) -> tuple[list[list[str]], list[Any], list[Any]]:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from engine.config import EngineConfig
 from tenants.limits import TenantLimits
 from tenants.public import check_name
-from tenants.registry import TenantRegistry, TenantSpec, load_server_secret
+from tenants.registry import TenantRegistry, TenantSpec, load_server_secret, store_mac_key
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -54,6 +54,9 @@ class ServerSettings(_Section):
     # /docs and /openapi.json: public | auth (any tenant or the admin key) | off;
     # default: public without tenants, auth once tenants are configured.
     docs: Literal["public", "auth", "off"] | None = None
+    # both: a whole replica; prefill / decode: one side of a Disaggregated-Pipeline, the KV
+    # shipped through the shared store ([cache.remote]; docs/disaggregated.md)
+    role: Literal["both", "prefill", "decode"] = "both"
 
     def docs_mode(self, has_tenants: bool) -> str:
         if self.docs is not None:
@@ -144,6 +147,25 @@ class CacheSettings(_Section):
     remote: RemoteCacheSettings | None = None
 
 
+class EventsSettings(_Section):
+    """KV events: every stored and removed block announced on a ZMQ PUB socket, in vLLM's layout
+    (engine/kv_events.py, docs/events.md). One key turns them on: ``endpoint``."""
+
+    endpoint: str | None = None  # where the PUB socket binds, e.g. tcp://*:5557 (unset: no events)
+    topic: str = ""  # the first frame of every message (subscribers filter on it)
+    # a ZMQ ROUTER a subscriber asks for the batches it missed (unset: no replay)
+    replay_endpoint: str | None = None
+    # events queued for the publisher thread at most; past it a batch is dropped and counted
+    max_queue: int = Field(default=100_000, gt=0)
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, endpoint: str | None) -> str | None:
+        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError("must be a ZMQ endpoint: tcp://HOST:PORT, ipc://PATH (e.g. tcp://*:5557)")
+        return endpoint
+
+
 class AdminSettings(_Section):
     api_key: str | None = Field(default=None, repr=False)
 
@@ -213,12 +235,18 @@ class Settings(_Section):
     server: ServerSettings = ServerSettings()
     engine: EngineSettings = EngineSettings()
     cache: CacheSettings = CacheSettings()
+    events: EventsSettings = EventsSettings()
     admin: AdminSettings = AdminSettings()
     tenants: list[TenantSettings] = []
     public_prefixes: list[PublicPrefixSettings] = []
 
-    def engine_config(self) -> EngineConfig:
-        """The engine's view of this configuration."""
+    def engine_config(self, env: Mapping[str, str] | None = None) -> EngineConfig:
+        """The engine's view of this configuration. Its `store_mac_key`, which seals the records of
+        the shared store, comes from the server secret (loaded or created as `tenant_registry` does)."""
+        try:
+            mac_key = store_mac_key(load_server_secret(self.server.secret, env))
+        except ValueError as exc:
+            raise ConfigError(f"invalid server secret: {exc}") from exc
         try:
             return EngineConfig(
                 model=self.model.path, dtype=self.model.dtype, device=self.engine.device,
@@ -242,6 +270,12 @@ class Settings(_Section):
                 admit=self.cache.admit,
                 disk_codec=self.cache.disk.codec,
                 flush_on_shutdown_s=min(10.0, self.server.shutdown_timeout_s + 5.0),
+                role=self.server.role,
+                kv_events_endpoint=self.events.endpoint,
+                kv_events_topic=self.events.topic,
+                kv_events_replay_endpoint=self.events.replay_endpoint,
+                kv_events_max_queue=self.events.max_queue,
+                store_mac_key=mac_key,
                 **self._remote_fields(),
             )
         except ValueError as exc:
@@ -326,7 +360,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, overrides: Mappi
     except ValidationError as exc:
         where = f" in {path}" if path is not None else ""
         raise ConfigError(f"invalid configuration{where}: {_format_errors(exc, data)}") from exc
-    settings.engine_config()  # surface engine-level errors at load time
+    settings.engine_config(env)  # surface engine-level errors (and a bad server secret) at load time
     return settings
 
 

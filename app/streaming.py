@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,8 @@ class Job:
     completion_tokens: int = 0
     text_offsets: dict[int, int] = field(default_factory=dict)
     on_done: Callable[[Job], None] | None = None  # called once the outputs end (the request trace)
+    # awaited after the last output, before the response ends (a prefill replica: app/disagg.py)
+    before_end: Callable[[], Awaitable[None]] | None = None
     slot: Any = None  # the tenant's concurrency slot (tenants.limits.Slot), released when the job ends
     choice_tokens: list[int] = field(default_factory=list)
     _finished: list[bool] = field(default_factory=list)
@@ -222,6 +224,9 @@ async def _guard(job: Job, chunks: AsyncIterator[str]) -> AsyncGenerator[str, No
         job.state.stream_error = 500
         logger.exception("stream failed completion_id=%s", job.id)
         yield sse(error_body("The server had an error while streaming.", "server_error"))
+    else:
+        if job.before_end is not None:
+            await job.before_end()
     yield DONE
     job.state.stream_complete = True
 

@@ -171,7 +171,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def start_redis() -> tuple[subprocess.Popen[bytes], str]:
     from bench.tier_bench import start_redis as private_redis
 
-    return private_redis()
+    return private_redis(say)
 
 
 def main(argv: list[str] | None = None) -> int:

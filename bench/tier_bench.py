@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,10 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.outputs import GenerateRequest
 from engine.sampling_params import SamplingParams
+
+# the store key of this run's deployment (a server derives it from its secret): every core the
+# bench makes shares it, so each one loads what the others wrote to Redis
+STORE_MAC_KEY = os.urandom(32)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,7 +106,8 @@ class Bench:
                                        share_host_slab=not self.args.copy_host,
                                        disk_cache_path=self.disk_dir, num_blocks=num_blocks,
                                        remote_cache_url=self.args.redis_url, remote_timeout_s=5.0,
-                                       disk_codec=self.codec, remote_codec=self.codec))
+                                       disk_codec=self.codec, remote_codec=self.codec,
+                                       store_mac_key=STORE_MAC_KEY))
 
     def ids(self, n: int) -> list[int]:
         vocab = self.core.vocab_size
@@ -472,8 +479,9 @@ def main(argv: list[str] | None = None) -> int:
             redis_proc.wait(10)
 
 
-def start_redis() -> tuple[subprocess.Popen, str]:
-    """A private redis-server on a free loopback port (never the machine's shared one)."""
+def start_redis(log: Callable[[str], None] = say) -> tuple[subprocess.Popen, str]:
+    """A private redis-server on a free loopback port (never the machine's shared one); ``log``
+    tells the user (the calling benchmark's progress lines)."""
     import socket
 
     with socket.socket() as sock:
@@ -485,7 +493,7 @@ def start_redis() -> tuple[subprocess.Popen, str]:
         if subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip() == b"PONG":
             break
         time.sleep(0.05)
-    say(f"private redis-server on port {port}")
+    log(f"private redis-server on port {port}")
     return proc, f"redis://127.0.0.1:{port}/0"
 
 

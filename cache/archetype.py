@@ -101,7 +101,8 @@ class TierView:
 class HierarchyView:
     """The live configuration to classify: engine facts plus one view per tier, top down.
 
-    ``disaggregated`` and ``central_manager`` are features KVGate does not have; they are here so
+    ``disaggregated``: prefill and decode run on separate engines (``role`` says which side this
+    one is: "prefill" or "decode"); ``central_manager`` is a feature KVGate does not have, here so
     that a table of other systems' configurations can be classified with the same rules.
     """
 
@@ -110,6 +111,7 @@ class HierarchyView:
     tiers: tuple[TierView, ...] = ()
     disaggregated: bool = False
     central_manager: bool = False
+    role: str = ""
 
     def __post_init__(self) -> None:
         if self.device_kind not in ("cpu", "cuda"):
@@ -200,6 +202,10 @@ def classify(view: HierarchyView) -> Archetype:
     if view.disaggregated:
         name: ArchetypeName = "Disaggregated-Pipeline"
         why = "prefill and decode run on separate engines with KV shipped between them"
+        if view.role == "prefill":
+            why += "; this is a prefill engine: its prompts' blocks go to the shared store for decode engines"
+        elif view.role == "decode":
+            why += "; this is a decode engine: prompts' blocks come from the shared store, written by prefill engines"
     elif view.central_manager:
         name, why = "Memory-Pool", "a central manager owns block placement"
     elif below:
@@ -264,7 +270,7 @@ def _tier_from_stats(name: str, stats: Mapping[str, Any], capacity: int | None) 
 
 def describe(device_kind: str, prefix_caching: bool, tiers_stats: Mapping[str, Any] | None = None, *,
              capacity_bytes: Mapping[str, int | None] | None = None,
-             disaggregated: bool = False, central_manager: bool = False) -> HierarchyView:
+             disaggregated: bool = False, central_manager: bool = False, role: str = "") -> HierarchyView:
     """Build the view from what the engine process has at hand.
 
     ``device_kind``: the torch device type ("cpu", "cuda" or "cuda:N"); ``tiers_stats``: the dict
@@ -283,4 +289,4 @@ def describe(device_kind: str, prefix_caching: bool, tiers_stats: Mapping[str, A
         if isinstance(entry, Mapping) and isinstance(entry.get("traits"), Mapping):
             views.append(_tier_from_stats(name, entry, sizes.get(name)))
     return HierarchyView(cast(DeviceKind, kind), bool(prefix_caching), tuple(views), bool(disaggregated),
-                         bool(central_manager))
+                         bool(central_manager), role)

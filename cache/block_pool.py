@@ -16,6 +16,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from itertools import islice
 
+from cache.events import NO_EVENTS, MediumEvents, NoEvents
 from cache.hashing import BlockHash
 from cache.quota import UNKNOWN, QuotaLedger
 from cache.telemetry import BlockLife
@@ -44,6 +45,7 @@ class BlockPoolStats:
     """Counters a metrics layer reads; they only grow."""
 
     allocations: int = 0
+    cached: int = 0  # blocks published under a hash
     evictions: int = 0
     cache_hits: int = 0
 
@@ -64,6 +66,7 @@ class BlockPool:
         # Called with (block, hash) just before a cached block's KV is given up for reuse, while
         # the block still holds it: the tier chain copies it down (demotion).
         self.on_evict: Callable[[Block, BlockHash], None] | None = None
+        self.events: MediumEvents | NoEvents = NO_EVENTS  # KV events of the pool (cache.events)
 
     @property
     def num_free_blocks(self) -> int:
@@ -156,9 +159,11 @@ class BlockPool:
         for owner in over:  # blocks kept past the quota while a request held them
             self._trim(owner, self.ledger.limit(owner) or 0)
 
-    def cache_block(self, block: Block, block_hash: BlockHash, owner: str = UNKNOWN) -> bool:
+    def cache_block(self, block: Block, block_hash: BlockHash, owner: str = UNKNOWN,
+                    parent: BlockHash | None = None) -> bool:
         """Publish a full block under its hash for ``owner`` (who computed or loaded it); False if
-        another block already holds that prefix."""
+        another block already holds that prefix. ``parent``: the hash before it in its prompt
+        (for the KV events only)."""
         if block.block_hash is not None:
             return block.block_hash == block_hash
         if block_hash in self._cached:
@@ -167,7 +172,9 @@ class BlockPool:
         block.cached_at = time.monotonic()
         block.hits = 0
         self._cached[block_hash] = block
+        self.stats.cached += 1
         self.life.inserted(block_hash)
+        self.events.stored(block_hash, parent)
         self.ledger.add(block_hash, owner)
         limit = self.ledger.limit(owner)
         if limit is not None and self.ledger.count(owner) > limit:
@@ -190,6 +197,7 @@ class BlockPool:
             self.on_evict(block, block.block_hash)
         del self._cached[block.block_hash]
         self.life.removed(block.block_hash)
+        self.events.removed(block.block_hash)
         self.ledger.remove(block.block_hash)
         block.block_hash = None
         self.stats.evictions += 1

@@ -47,6 +47,17 @@ def root_hash(namespace_salt: bytes, model_fingerprint: bytes, cache_salt: str |
     return h.digest()
 
 
+def prompt_roots(namespace_salt: bytes, model_fingerprint: bytes, cache_salt: str | None, public_blocks: int,
+                 public_salt: bytes) -> tuple[BlockHash, tuple[int, BlockHash] | None]:
+    """A prompt's root hash and public-prefix switch for `extend_block_hashes`: the tenant's root,
+    or the public namespace's when the prompt leads with ``public_blocks`` full blocks of a
+    declared public prefix (never with a ``cache_salt``: it asked for isolation)."""
+    root = root_hash(namespace_salt, model_fingerprint, cache_salt)
+    if public_blocks and public_salt and cache_salt is None:
+        return root_hash(public_salt, model_fingerprint), (public_blocks, root)
+    return root, None
+
+
 def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
     """Hash one full block given its parent's hash; a pure function of its arguments."""
     h = blake2b(digest_size=HASH_SIZE, person=_BLOCK_PERSON)

@@ -126,7 +126,8 @@ class KVCacheManager:
                     if not ok:
                         self.pool.free_blocks([block])
                         break
-                    self.pool.cache_block(block, block_hash, PUBLIC if i < public_blocks else owner)
+                    self.pool.cache_block(block, block_hash, PUBLIC if i < public_blocks else owner,
+                                          block_hashes[i - 1] if i else None)
                     loaded += 1
                 else:
                     self.pool.hold(block)
@@ -191,7 +192,8 @@ class KVCacheManager:
         num_full = min(total // self.block_size, len(block_hashes))
         done = self._num_published.get(request_id, 0)
         for i in range(done, num_full):
-            if not self.pool.cache_block(table[i], block_hashes[i], PUBLIC if i < public_blocks else owner):
+            if not self.pool.cache_block(table[i], block_hashes[i], PUBLIC if i < public_blocks else owner,
+                                         block_hashes[i - 1] if i else None):
                 self.stats.duplicate_blocks += 1
         self._num_published[request_id] = max(done, num_full)
 

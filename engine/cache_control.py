@@ -1,5 +1,6 @@
 """The cache control API inside the engine: look up, prefetch, pin, unpin and drop a tenant's
-cached prefixes (`POST /v1/cache/*`, `DELETE /v1/cache`; docs/cache_api.md).
+cached prefixes (`POST /v1/cache/*`, `DELETE /v1/cache`; docs/cache_api.md), and place an
+isolation audit's own prefix in one tier (`place`, audit tenants only; docs/audit.md).
 
     API process                        engine thread, between steps          chain's I/O thread
     AsyncEngine.cache_control(cmd) ──▶ ("cache", token, cmd) ─▶ CacheControl.run
@@ -30,7 +31,16 @@ from typing import TYPE_CHECKING, Any
 
 from cache.hashing import BlockHash, extend_block_hashes
 from cache.quota import PUBLIC
-from cache.tiers.control import PinBook, Presence, attach_book, drop_local, drop_stores, presence
+from cache.tiers.control import (
+    PinBook,
+    Presence,
+    attach_book,
+    drop_local,
+    drop_stores,
+    presence,
+    settle_shared,
+    settle_writes,
+)
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence as Seq
 from engine.snapshot import CacheControlSnapshot
@@ -42,6 +52,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 OPS = ("lookup", "prefetch", "pin", "unpin", "delete")
+AUDIT_OPS = ("place",)  # only for audit tenants (`is_audit_tenant`), never counted with the API's calls
+# The isolation audit (app/audit.py) runs as tenants named with this prefix: a configured tenant's
+# name has no colon (tenants.registry), so none can be one, and no HTTP key ever resolves to one.
+AUDIT_TENANT_PREFIX = "kvgate:audit:"
 # Pins and prefetch protections together may hold at most this share of the host tier: the rest
 # is where demotions and loads land (a host tier all pinned would pass every block through).
 PIN_SHARE = 0.75
@@ -66,14 +80,22 @@ class CacheCommand:
     public_salt: bytes = b""
     quota: Mapping[str, int] = field(default_factory=dict)
     ttl_s: float = 300.0
+    tier: str | None = None  # `place` only: the tier the prefix is to live in
 
     def __post_init__(self) -> None:
-        if self.op not in OPS:
-            raise ValueError(f"op must be one of {', '.join(OPS)}, got {self.op!r}")
+        if self.op not in OPS + AUDIT_OPS:
+            raise ValueError(f"op must be one of {', '.join(OPS + AUDIT_OPS)}, got {self.op!r}")
+        if (self.op == "place") != (self.tier is not None):
+            raise ValueError("tier is given with op 'place', and only then")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty (None: every block of the tenant)")
         if not 0 < self.ttl_s < math.inf:
             raise ValueError(f"ttl_s must be a positive number of seconds, got {self.ttl_s!r}")
+
+
+def is_audit_tenant(tenant: str) -> bool:
+    """Whether ``tenant`` is one of the isolation audit's synthetic tenants."""
+    return tenant.startswith(AUDIT_TENANT_PREFIX)
 
 
 def refusal(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
@@ -134,6 +156,10 @@ class CacheControl:
         shared = chain.shared if chain is not None else None
         if shared is None or not tenant or tenant == PUBLIC or not hasattr(shared, "track_owner"):
             return
+        if is_audit_tenant(tenant) and hasattr(shared, "set_account"):
+            # an audit tenant's salt is new every run: its Redis account follows it, so that the
+            # audit's deletes (by prefix or all) find what this run wrote
+            shared.set_account(tenant, self._tag(tenant, salt), None)
         shared.track_owner(tenant, self._tag(tenant, salt))
 
     def _tag(self, tenant: str, salt: bytes) -> str:
@@ -147,7 +173,8 @@ class CacheControl:
     def run(self, command: CacheCommand, reply: Reply) -> None:
         """Carry out ``command``; ``reply`` gets the answer now or, after tier I/O, from the I/O
         thread (or from the loop's `finished`, for a prefetch)."""
-        self.counters.requests[command.op] += 1
+        if command.op in self.counters.requests and not is_audit_tenant(command.tenant):  # the API's calls only
+            self.counters.requests[command.op] += 1
         core = self.core
         core.tiers.set_quota(command.tenant, command.quota, command.namespace_salt)
         attach_book(core.chain, self.book)
@@ -250,6 +277,14 @@ class CacheControl:
         self.counters.skipped_in_use += skipped
         tag = self._tag(tenant, command.namespace_salt)
         everything = command.prompt_token_ids is None
+        in_flight: list[BlockHash] = []  # being sent to the shared tier: deleted again once there
+        if chain is not None and shared is not None:
+            in_flight = chain.remote_in_flight(owner=tenant) if everything else chain.remote_in_flight(store_keys)
+            # computed again later, they are sent again (the shared tier no longer holds them)
+            if everything:
+                chain.unsend(owner=tenant)
+            else:
+                chain.unsend(store_keys)
 
         def answer(result: dict[str, int]) -> dict[str, Any]:
             self._count_dropped(result)
@@ -263,8 +298,17 @@ class CacheControl:
         async def below() -> dict[str, Any]:
             if stores and store_keys:
                 dropped.update(await drop_stores(chain, stores, store_keys, settle))
+            if everything:  # writes in flight land after the first pass: wait for them, then again
+                await settle_writes(chain)
+                again = list(dict.fromkeys(k for store in stores if hasattr(store, "keys_of")
+                                           for k in store.keys_of(tenant)))
+                if again:
+                    for name, n in (await drop_stores(chain, stores, again)).items():
+                        dropped[name] = dropped.get(name, 0) + n
             if shared is not None:
                 n = await (shared.delete_owner(tag) if everything else shared.delete(store_keys, tag))
+                if n is not None and in_flight:
+                    n += await settle_shared(chain, shared, in_flight, tag)
                 if n is None:
                     self._count_dropped(dropped)
                     done = ", ".join(f"{name} {k}" for name, k in dropped.items())
@@ -275,6 +319,12 @@ class CacheControl:
             return answer(dropped)
 
         self._submit(below(), reply)
+
+    def _place(self, command: CacheCommand, reply: Reply) -> None:
+        """The isolation audit's own operation (engine/audit_place.py, which imports this module)."""
+        from engine.audit_place import place
+
+        place(self, command, reply)
 
     def _count_dropped(self, result: dict[str, int]) -> None:
         with self._counting:

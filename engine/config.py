@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cache.tiers import factory
@@ -57,6 +57,17 @@ class EngineConfig:
     remote_write: str = "through"  # through: as computed | back: when leaving host | selective: once reused
     remote_timeout_s: float = 0.5
     remote_codec: str = "none"  # none | bf16 | fp16 | int8, as disk_codec
+    # seals the shared store's records (cache.tiers.store_mac): tenants.registry.store_mac_key of
+    # the server secret, the same on every replica; needed by a remote tier, configured or attached
+    store_mac_key: bytes | None = field(default=None, repr=False)
+    # both | prefill | decode: a prefill engine's prompts reach decode engines through the shared
+    # store (written through, waited for by the API); a decode engine loads them rather than recompute
+    role: str = "both"
+    # KV events (engine/kv_events.py): a ZMQ PUB endpoint to bind, None = off
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_replay_endpoint: str | None = None
+    kv_events_max_queue: int = 100_000
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -71,11 +82,24 @@ class EngineConfig:
         for name in ("disk_codec", "remote_codec"):
             if getattr(self, name) not in CODECS:
                 raise ValueError(f"{name} must be one of {', '.join(CODECS)}, got {getattr(self, name)!r}")
+        if self.store_mac_key is not None and len(self.store_mac_key) != 32:
+            raise ValueError("store_mac_key must be 32 bytes (tenants.registry.store_mac_key of the server secret)")
+        if self.remote_cache_url and self.store_mac_key is None:
+            raise ValueError("a remote tier needs store_mac_key (tenants.registry.store_mac_key of the server "
+                             "secret, the same on every replica)")
         options = self.tier_options()
         for name in self.tiers_on():  # each kind's own options model says what is wrong
             factory.validate(name, options[name])
         if self.disk_persist not in ("on_evict", "behind"):
             raise ValueError(f"disk_persist must be on_evict or behind, got {self.disk_persist!r}")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.role != "both" and not self.remote_cache_url:
+            raise ValueError(f"a {self.role} replica ships KV through the shared store: set [cache.remote] url "
+                             "(or serve with role = \"both\")")
+        if self.role == "prefill" and self.remote_write != "through":
+            raise ValueError("a prefill replica writes every block as it is computed: set [cache.remote] "
+                             f"write = \"through\" (it is {self.remote_write!r})")
         if self.admit not in ("always", "second_use"):
             raise ValueError(f"admit must be always or second_use, got {self.admit!r}")
         if self.tier_policy not in ("lru", "s3fifo"):
@@ -87,13 +111,15 @@ class EngineConfig:
 
     def tier_options(self) -> dict[str, dict[str, Any]]:
         """Each tier kind's options as configured (cache.tiers.factory validates them): what an
-        attach starts from. A host tier attached while configured off gets 1 GiB."""
+        attach starts from. A host tier attached while configured off gets 1 GiB; a remote tier,
+        configured or attached over HTTP, gets the store key from here (a request cannot set it)."""
         return {
             "host": {"capacity_mb": self.host_cache_mb or 1024},
             "disk": {"path": self.disk_cache_path or "", "capacity_mb": self.disk_cache_mb,
                      "load_timeout_s": self.disk_load_timeout_s, "codec": self.disk_codec},
             "remote": {"url": self.remote_cache_url or "", "cluster": self.remote_cluster, "ttl_s": self.remote_ttl_s,
-                       "write": self.remote_write, "timeout_s": self.remote_timeout_s, "codec": self.remote_codec},
+                       "write": self.remote_write, "timeout_s": self.remote_timeout_s, "codec": self.remote_codec,
+                       "mac_key": self.store_mac_key},
         }
 
     def tiers_on(self) -> list[str]:

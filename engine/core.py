@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from cache.hashing import root_hash
+from cache.hashing import prompt_roots
 from cache.kv_storage import KVStorage
 from cache.manager import KVCacheManager
 from cache.tiers.chain import TierChain
@@ -26,6 +26,7 @@ from engine.cache_control import CacheCommand, CacheControl, Reply
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.heap import keep_heap_memory
+from engine.kv_events import KVEvents
 from engine.limits import RequestLimits
 from engine.model import LoadedModel, context_limit, load_model, model_fingerprint
 from engine.outputs import GenerateRequest, TokenLogprob
@@ -119,6 +120,14 @@ class EngineCore:
         self.step_thread: int | None = None
         self._requests: dict[str, list[Sequence]] = {}
         self._rows: dict[str, SamplingRow] = {}
+        # KV events (engine/kv_events.py) when an endpoint is set; started last, so that a start
+        # failing before leaves no socket bound
+        self.events: KVEvents | None = None
+        if config.kv_events_endpoint:
+            self.events = KVEvents(config.kv_events_endpoint, config.block_size, config.kv_events_topic,
+                                   config.kv_events_max_queue, config.kv_events_replay_endpoint)
+            self.events.start(self.manager.pool)
+            self.events.wire(self.chain.tiers if self.chain is not None else ())
         logger.info("engine ready", extra={"model": self.loaded.name, "kv_pool_mb": self.storage.nbytes >> 20,
                                             "num_blocks": config.num_blocks, "block_size": config.block_size})
 
@@ -146,8 +155,15 @@ class EngineCore:
     def configure_tier(self, action: str, name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
         """Attach or detach a tier while serving (`Tiering.configure`); whether a store answers
         is asked before, off the step loop (`AsyncEngine`). A tier attached consults the pins."""
+        before = list(self.chain.tiers) if self.chain is not None else []
         reply = self.tiers.configure(action, name, options)
         attach_book(self.chain, self.control.book)
+        if self.events is not None:
+            after = self.chain.tiers if self.chain is not None else []
+            for tier in before:
+                if tier not in after:
+                    self.events.unwire(tier)
+            self.events.wire(after)
         return reply
 
     def cache_control(self, command: CacheCommand, reply: Reply) -> None:
@@ -213,8 +229,11 @@ class EngineCore:
         self.tiers.check_invariants()
 
     def close(self) -> None:
-        """Write what the device and host hold to disk (bounded in time), then stop the I/O."""
+        """Write what the device and host hold to disk (bounded in time), then stop the I/O and
+        publish the last events."""
         self.tiers.close()
+        if self.events is not None:
+            self.events.close()
 
     # ---- requests -------------------------------------------------------------------------
     def validate(self, request: GenerateRequest) -> None:
@@ -251,7 +270,10 @@ class EngineCore:
                                                  stop_ids)
         if self.config.metrics:
             self._timing[request.request_id] = timing
-        loading = self.tiers.start_prefetch(request.request_id, seqs[0], self._prefill_tps)
+        # a decode engine loads every block it can find: recomputing a prompt is the prefill
+        # engines' work (no load-or-recompute estimate)
+        loading = self.tiers.start_prefetch(request.request_id, seqs[0],
+                                            None if self.config.role == "decode" else self._prefill_tps)
         t2 = time.perf_counter()
         timing.metadata_s = t2 - t0  # hashing, and the disk index walk of the prefetch plan
         if loading:
@@ -272,11 +294,8 @@ class EngineCore:
         """A prompt's root hash and public-prefix switch (`cache.hashing.extend_block_hashes`):
         the tenant's root, or the public namespace's for the full blocks of a declared public
         prefix (unless the request sent a `cache_salt`), the tenant's root mixed in after them."""
-        root = root_hash(namespace_salt, self.fingerprint, cache_salt)
-        public_blocks = public_prefix_len // self.block_size
-        if public_blocks and public_salt and cache_salt is None:
-            return root_hash(public_salt, self.fingerprint), (public_blocks, root)
-        return root, None
+        return prompt_roots(namespace_salt, self.fingerprint, cache_salt, public_prefix_len // self.block_size,
+                            public_salt)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request's unfinished choices and free their blocks now; False if unknown."""

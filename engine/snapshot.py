@@ -35,6 +35,7 @@ class PrefixCacheSnapshot:
     evictions: int = _doc("device blocks whose cached prefix was evicted", 0)
     block_hits: int = _doc("device blocks reused from the prefix cache", 0)
     allocations: int = _doc("device blocks allocated", 0)
+    cached: int = _doc("device blocks published under a prefix hash (a KV event `BlockStored` each)", 0)
     quota: dict[str, Any] = _doc("device quota ledger: per-owner blocks and limits", None)
 
 
@@ -93,6 +94,8 @@ class EngineSnapshot:
     gaps: dict[str, Any] = _doc("the survey's gap metrics (docs/metrics.md)", None)
     cache_control: CacheControlSnapshot = _doc("pins, prefetches and drops of the cache control API "
                                                "(docs/cache_api.md)", None)
+    events: dict[str, Any] | None = _doc("KV events (docs/events.md): endpoint, batches sent, blocks announced "
+                                         "by event and medium, resyncs; None when off", None)
     engine_pid: int = _doc("the engine process's pid", 0)
     engine_threads: dict[str, int | None] = _doc("thread ids: `owner` loaded the model, `step` runs steps", None)
 
@@ -118,7 +121,7 @@ def take(core: EngineCore) -> EngineSnapshot:
         prefix_cache=PrefixCacheSnapshot(
             lookups=pc.lookups, query_tokens=pc.query_tokens, hit_tokens=pc.hit_tokens,
             lookup_time_s=pc.lookup_time_s, evictions=pool.stats.evictions, block_hits=pool.stats.cache_hits,
-            allocations=pool.stats.allocations, quota=pool.ledger.snapshot()),
+            allocations=pool.stats.allocations, cached=pool.stats.cached, quota=pool.ledger.snapshot()),
         preemptions=core.scheduler.num_preemptions,
         preemptions_by_reason=dict(core.scheduler.preemptions_by_reason),
         tenant_usage=core.scheduler.tenant_stats(),
@@ -130,15 +133,18 @@ def take(core: EngineCore) -> EngineSnapshot:
         hash_time_s=c.hash_time_s, num_loading=core.num_loading, promoted_blocks=pc.promoted_blocks,
         prefill_tokens_per_s=core.prefill_tokens_per_s, tiers=tiers, tier_kinds=list(factory.KINDS),
         archetype=archetype(core, tiers), timing=core.telemetry.snapshot(), gaps=gaps(core),
-        cache_control=core.control.snapshot(), engine_pid=os.getpid(), engine_threads={"owner": core.owner_thread, "step": core.step_thread})
+        cache_control=core.control.snapshot(),
+        events=core.events.snapshot() if core.events is not None else None, engine_pid=os.getpid(), engine_threads={"owner": core.owner_thread, "step": core.step_thread})
 
 
 def archetype(core: EngineCore, tiers: dict[str, Any]) -> dict[str, Any]:
     """The KV-cache archetype of the hierarchy as it runs now (see cache.archetype)."""
     sizes = {name: entry["capacity_blocks"] * core.storage.block_nbytes
              for name, entry in tiers.items() if name != "chain" and entry.get("capacity_blocks")}
+    role = core.config.role
     view = describe(core.storage.device.type, core.config.enable_prefix_caching, tiers,
-                    capacity_bytes={"device": core.storage.nbytes, **sizes})
+                    capacity_bytes={"device": core.storage.nbytes, **sizes}, disaggregated=role != "both",
+                    role="" if role == "both" else role)
     return classify(view).to_dict()
 
 

@@ -18,6 +18,7 @@ import argparse
 import csv
 import json
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -308,7 +309,17 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "warmup":
         warm_up(args.url, args.key)
     elif args.command == "snapshot":
-        args.out.write_text(json.dumps(fetch_metrics(args.url, args.admin_key), indent=1) + "\n")
+        try:
+            metrics = fetch_metrics(args.url, args.admin_key)
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404:
+                raise
+            # a server without /admin/metrics (`kvgate route`, another OpenAI server): the run goes
+            # on, and its summary has no per-tier figures
+            print(f"summary: {args.url} has no /admin/metrics (404); the summary leaves out the cache tiers",
+                  file=sys.stderr)
+            return 0
+        args.out.write_text(json.dumps(metrics, indent=1) + "\n")
     elif args.command == "report":
         summary = build_summary(args.folder, args.label)
         (args.folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -13,7 +13,8 @@ so tenants that opt into the same sharing group hash their prefixes identically,
 else can never produce the same block key. The anonymous tenant (no `[[tenants]]` configured) has
 a salt of its own. The server secret comes from the config, else `KVGATE_SECRET`, else a random
 secret generated once and persisted (mode 0600) so that salts, and thus persisted KV blocks,
-survive restarts.
+survive restarts. The same secret keys the MACs of records in the shared store
+(`store_mac_key`), under a domain of its own.
 
 This package imports nothing from `app`, `engine` or `cache`.
 """
@@ -40,6 +41,7 @@ PUBLIC_NAMESPACE = "public"  # tenants are "tenant:<name>", groups "group:<name>
 MIN_SECRET_LEN = 16
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SALT_DOMAIN = b"kvgate-namespace-v1\x00"
+_STORE_MAC_DOMAIN = b"kvgate-store-mac-v1\x00"  # not a namespace prefix: the key never equals a salt
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,13 @@ def key_digest(api_key: str) -> bytes:
 def namespace_salt(secret: bytes, namespace: str) -> bytes:
     """HMAC-SHA256 of a namespace under the server secret (32 bytes)."""
     return hmac.new(secret, _SALT_DOMAIN + namespace.encode("utf-8"), hashlib.sha256).digest()
+
+
+def store_mac_key(secret: bytes) -> bytes:
+    """The key that seals records in the shared store (32 bytes): HMAC-SHA256 of the server
+    secret under its own domain, so replicas that share the secret accept each other's blocks
+    and nobody without it can write one they accept (cache/tiers/store_mac.py)."""
+    return hmac.new(secret, _STORE_MAC_DOMAIN, hashlib.sha256).digest()
 
 
 def default_secret_path(env: Mapping[str, str] | None = None) -> Path:

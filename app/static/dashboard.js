@@ -10,6 +10,7 @@
 
 (function () {
   const POLL_MS = 2000;
+  const AUDIT_EVERY = 5;     // GET /admin/audit every 5th poll (10 s), and every poll while one runs
   const WINDOW_MS = 30000;   // hit rates and TTFT quantiles: over the last 30 s of samples
   const SPAN_MS = 300000;    // the charts show the last 5 minutes
   const KEY_STORAGE = "kvgate.adminKey";
@@ -40,6 +41,7 @@
   const state = {
     history: [],        // [{t, counters, ttftHist, hit: {tier: rate|null}, ttft: {p50, p99}}], oldest first
     latest: null,       // the last /admin/metrics body
+    audit: null,        // the last GET /admin/audit body: {running, last: report | null}
     status: "starting", // starting | ok | unauthorized | unreachable | error
     error: null,        // {status, message} of the last failed poll
     polls: 0,
@@ -253,6 +255,7 @@
       setStale(false);
       ingest(metrics, Date.now());
       render();
+      if (state.polls % AUDIT_EVERY === 1 || obj(state.audit).running) await pollAudit(headers);
     } catch (err) {
       state.status = "error";
       state.error = {status: 0, message: String(err && err.message || err)};
@@ -267,6 +270,16 @@
         schedule();
       }
     }
+  }
+
+  // The isolation audit's last report: shown as it is; a failed fetch leaves the panel as it was.
+  async function pollAudit(headers) {
+    try {
+      const response = await fetch("/admin/audit", {headers, cache: "no-store", credentials: "omit"});
+      if (!response.ok) return;
+      state.audit = await response.json();
+      renderAudit(state.audit);
+    } catch (_) { /* the metrics poll reports connection trouble */ }
   }
 
   // ---- turning snapshots into time series -----------------------------------------------------
@@ -707,6 +720,62 @@
     for (const code of codes) {
       box.appendChild(el("span", "chip s" + String(code).charAt(0), code + " × " + fmtInt(byStatus[code])));
     }
+  }
+
+  function ago(unixSeconds) {
+    const s = Math.max(0, Date.now() / 1000 - unixSeconds);
+    if (s < 90) return Math.round(s) + " s ago";
+    if (s < 5400) return Math.round(s / 60) + " min ago";
+    if (s < 172800) return Math.round(s / 3600) + " h ago";
+    return Math.round(s / 86400) + " days ago";
+  }
+
+  function fmtP(p) {
+    return isNum(p) ? (p !== 0 && p < 1e-3 ? p.toExponential(1) : p.toFixed(3)) : "–";
+  }
+
+  function renderAudit(status) {
+    const head = $("audit-head"), tiers = $("audit-tiers"), failures = $("audit-failures");
+    clear(head); clear(tiers); clear(failures);
+    const s = obj(status), r = obj(s.last);
+    if (s.running) head.appendChild(pill("running…", "warn"));
+    if (!s.last) {
+      if (!s.running) {
+        head.appendChild(pill("no audit since the server started", "off"));
+        head.appendChild(el("span", "k", "run one: POST /admin/audit with the admin key (docs/audit.md)"));
+      }
+      return;
+    }
+    head.appendChild(pill(r.passed ? "passed" : "FAILED", r.passed ? "ok" : "bad"));
+    const when = new Date(r.started_at * 1000);
+    const facts = [["at", when.toLocaleString("en-GB") + " (" + ago(r.started_at) + ")"],
+      ["took", fmtSeconds(r.duration_s)], ["requests", fmtInt(r.requests)], ["samples", fmtInt(r.samples)]];
+    const control = obj(r.control);
+    if (r.control) facts.push(["timing control", (control.passed ? "sees the cache" : "blind") + ", p " + fmtP(control.p)]);
+    const cleanup = obj(r.cleanup);
+    facts.push(["left behind", cleanup.remaining_tokens === 0 ? "nothing" : isNum(cleanup.remaining_tokens)
+      ? fmtInt(cleanup.remaining_tokens) + " tokens" : "unknown"]);
+    for (const [k, v] of facts) {
+      const span = el("span");
+      span.appendChild(el("span", "k", k + " "));
+      span.appendChild(el("span", "", v));
+      head.appendChild(span);
+    }
+    for (const [name, t] of Object.entries(obj(r.tiers))) {
+      const box = el("div", "audit-tier " + (t.passed ? "ok" : "bad"));
+      box.dataset.tier = name;
+      box.appendChild(el("span", "tier-name", name));
+      box.appendChild(pill(t.passed ? "pass" : "FAIL", t.passed ? "ok" : "bad"));
+      box.appendChild(el("div", "", "same salt " + fmtInt(t.same_salt_hit_tokens) + " / " + fmtInt(t.expected_tokens) +
+        " tokens · other salt " + fmtInt(t.other_salt_hit_tokens)));
+      const ks = obj(t.ks);
+      if (t.ks) box.appendChild(el("div", "", "timing KS D " + fmtNum(ks.d, 3) + ", p " + fmtP(ks.p)));
+      tiers.appendChild(box);
+      for (const why of Array.isArray(t.failures) ? t.failures : []) failures.appendChild(el("li", "", name + ": " + why));
+    }
+    if (control.passed === false) failures.appendChild(el("li", "", "the timing control saw no difference between " +
+      "hits and misses: the timing checks prove nothing"));
+    if (r.error) failures.appendChild(el("li", "", "stopped early: " + r.error));
   }
 
   // The seven gaps of docs/metrics.md: [key, title, meaning, value(gap) → string | Node]

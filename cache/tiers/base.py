@@ -140,7 +140,7 @@ class TierSnapshot:
     counters: dict[str, Any] = _doc("every `TierStats` counter, flat: hits, misses, puts, evictions, "
                                     "bytes_read, bytes_written, reads, writes, read_time_s, write_time_s, "
                                     "errors, corrupt, dropped, metadata_bytes, handovers, timeouts, lost, "
-                                    "undecodable (bytes count records as stored: encoded)")
+                                    "undecodable, unauthentic (bytes count records as stored: encoded)")
     blocks: int = _doc("blocks the tier holds (0 where it cannot know without a scan)", 0)
     capacity_blocks: int = _doc("blocks it can hold (0: bounded outside KVGate, e.g. Redis memory and TTL)", 0)
     bytes: int = _doc("bytes it holds", 0)

@@ -128,6 +128,32 @@ async def drop_stores(chain: Any, stores: Sequence[Any], keys: Sequence[bytes], 
     return dropped
 
 
+async def settle_writes(chain: Any) -> bool:
+    """Wait (up to `WRITE_SETTLE_S`) until no block write is in flight, so that a delete of
+    everything an owner holds also finds what was being written when it came; whether none is."""
+    deadline = time.monotonic() + WRITE_SETTLE_S
+    while chain.pending_writes and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return not chain.pending_writes
+
+
+async def settle_shared(chain: Any, shared: Any, keys: Sequence[bytes], tag: str | None) -> int:
+    """Delete again, from the shared tier, those of ``keys`` whose write was in flight when a
+    delete came (they would land after it), once written (up to `WRITE_SETTLE_S`); how many it
+    held then. A failed delete counts 0 (their TTL ends them)."""
+    pending = list(keys)
+    deleted = 0
+    deadline = time.monotonic() + WRITE_SETTLE_S
+    while pending and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+        flying = set(chain.remote_in_flight(pending))
+        done = [key for key in pending if key not in flying]
+        if done:
+            deleted += await shared.delete(done, tag) or 0
+            pending = [key for key in pending if key in flying]
+    return deleted
+
+
 @dataclass(slots=True)
 class PinSnapshot:
     """The book's figures for `/admin/metrics` (under ``cache_control``)."""

@@ -192,6 +192,7 @@ class DiskTier(DiskIndex):
             self.policy.insert(key)
             self.ledger.add(key, owner)
             self.life.inserted(key)
+            self.events.stored(key)
         self.stats.puts += 1
         self.stats.metadata_bytes += HEADER_SIZE
         self.stats.writes += 1

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Collection, Hashable
 from pathlib import Path
 
+from cache.events import NO_EVENTS, MediumEvents, NoEvents
 from cache.quota import UNKNOWN
 from cache.telemetry import BlockLife
 from cache.tiers.codec import BlockFormat
@@ -52,6 +53,7 @@ class DiskIndex:
         self.policy_name = policy
         self.stats = TierStats()
         self.life = BlockLife()  # written on the I/O loop (reads, writes, evictions)
+        self.events: MediumEvents | NoEvents = NO_EVENTS  # KV events (cache.events), where blocks come and go
         self._lock = threading.Lock()  # the index is read by the step loop, changed by the I/O loop
         self._index: dict[bytes, int] = {}  # block → bytes of its record
         self._bytes = 0  # of the records indexed
@@ -88,6 +90,11 @@ class DiskIndex:
         with self._lock:
             return len(self._index)
 
+    def keys(self) -> list[bytes]:
+        """Every block indexed now."""
+        with self._lock:
+            return list(self._index)
+
     @property
     def nbytes(self) -> int:
         return self._bytes
@@ -117,6 +124,7 @@ class DiskIndex:
             self.ledger.add(key, UNKNOWN)
         while len(self._index) > self.capacity_blocks or self._bytes > self.capacity_bytes:
             self._drop(self.policy.evict())  # type: ignore[arg-type]
+        self.events.stored_all(list(self._index))
         if self._index:
             logger.info("disk cache: %d blocks found in %s", len(self._index), self.dir)
         return len(self._index)
@@ -135,6 +143,7 @@ class DiskIndex:
         self._discard(key)
         self.ledger.remove(key)
         self.life.removed(key)
+        self.events.removed(key)
         unlink(self.path_of(key))
         self.stats.evictions += 1
 
@@ -155,6 +164,7 @@ class DiskIndex:
             self.policy.remove(key)
             self.ledger.remove(key)
             self.life.removed(key)
+            self.events.removed(key)
         unlink(self.path_of(key))
         return True
 
@@ -166,6 +176,7 @@ class DiskIndex:
                 self.policy.remove(key)
                 self.ledger.remove(key)
                 self.life.removed(key)
+                self.events.removed(key)
 
     def apply_quota(self, owner: str, tag: str, blocks: int | None) -> None:
         """At most ``blocks`` of ``owner``'s blocks here (None: no limit)."""
@@ -211,6 +222,7 @@ class DiskIndex:
             self.policy.remove(key)
             self.ledger.remove(key)
             self.life.removed(key)
+        self.events.removed_all(list(self._index))
         self._index.clear()
         self._bytes = 0
         return lost

@@ -94,6 +94,9 @@ class RemoteOptions(_Options):
     write: Literal["through", "back", "selective"] = "through"
     timeout_s: float = Field(default=0.5, gt=0)
     codec: Codec = "none"
+    # the deployment's store key (cache.tiers.store_mac): from the engine's configuration only,
+    # never from a request (not in `http_fields`), never shown
+    mac_key: bytes | None = Field(default=None, repr=False, exclude=True)
 
     @field_validator("url")
     @classmethod
@@ -118,8 +121,11 @@ def _disk(options: DiskOptions, ctx: BuildContext) -> DiskTier:
 
 
 def _remote(options: RemoteOptions, ctx: BuildContext) -> RemoteTier:
+    if options.mac_key is None:
+        raise ValueError("the remote tier needs the store's MAC key (mac_key: tenants.registry.store_mac_key "
+                         "of the server secret, the same on every replica)")
     return RemoteTier(options.url, ctx.fmt, options.ttl_s, options.cluster, options.timeout_s, write_mode=options.write,
-                      codec=options.codec)
+                      codec=options.codec, mac_key=options.mac_key)
 
 
 async def _reach(options: RemoteOptions) -> str | None:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy
 import torch
 
+from cache.events import NO_EVENTS, MediumEvents, NoEvents
 from cache.quota import UNKNOWN, pick_victim
 from cache.telemetry import BlockLife
 from cache.tiers.base import TierTraits
@@ -76,6 +77,7 @@ class HostTier:
         self.stats = TierStats()
         self.rate = RateEstimate(bytes_per_s=5e9, latency_s=1e-5)
         self.life = BlockLife()
+        self.events: MediumEvents | NoEvents = NO_EVENTS  # KV events (cache.events), where blocks come and go
         # who holds what; tenants' host quotas (never taking a protected block)
         self.ledger = ProtectingLedger(self.capacity_blocks, self._is_protected)
         # eviction passes over a victim for which keep(key) is true while another exists (the
@@ -187,6 +189,7 @@ class HostTier:
         self.policy.insert(key)
         self.ledger.add(key, owner)
         self.life.inserted(key)
+        self.events.stored(key)
         self.stats.puts += 1
         if copied:
             self.stats.writes += 1
@@ -302,6 +305,7 @@ class HostTier:
         self.policy.remove(key)
         self.ledger.remove(key)
         self.life.removed(key)
+        self.events.removed(key)
         self._free.append(slot)
         return True
 
@@ -364,6 +368,7 @@ class HostTier:
         payload = self.slots[slot].numpy().tobytes()
         self._free.append(slot)
         self.life.removed(key)
+        self.events.removed(key)
         self.stats.evictions += 1
         return key, payload, self.ledger.remove(key) or UNKNOWN
 

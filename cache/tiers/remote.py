@@ -1,7 +1,7 @@
 """RemoteTier: KV blocks in Redis (or Redis Cluster), shared by every replica on the same store.
 
     key   kvgate:<model fingerprint hex>:<block hash hex>      (no token ids, no text, no tenant)
-    value a `codec` record (header + payload), with a TTL
+    value a seal (nonce + Poly1305 tag, `store_mac`) + a `codec` record (header + payload), with a TTL
 
 Values are written with the tier's codec (`kv_codec`, encoded on the sender thread) and read
 whatever codec they carry: ``none`` straight into the host slot, others decoded into it on arrival.
@@ -11,7 +11,9 @@ existence check of a whole prompt, one for its loads, one per batch of writes). 
 Redis must never fail or stall a request: every batch has a timeout, and a circuit breaker opens
 after ``failures_to_open`` consecutive failures — for ``open_s`` seconds every call answers
 "miss" at once — then lets one probe through; a success closes it again. Corrupt or foreign
-records are misses, deleted and counted.
+records are misses, deleted and counted; so are records whose seal does not verify under the
+deployment's store key (`unauthentic`: planted or altered by another writer, or written with
+another server secret), checked before a byte of them is handed back.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from cache.tiers.codec import (
 from cache.tiers.kv_codec import check_codec
 from cache.tiers.resp import GetPipe, RespError, SetPipe, endpoint
 from cache.tiers.stats import RateEstimate, TierStats
+from cache.tiers.store_mac import MAC_NAME, SEAL_SIZE, StoreMac, UnauthenticBlockError
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +60,18 @@ class RemoteTier:
 
     def __init__(self, url: str, fmt: BlockFormat, ttl_s: int = 86400, cluster: bool = False,
                  timeout_s: float = 0.5, failures_to_open: int = 3, open_s: float = 5.0,
-                 write_mode: str = "through", codec: str = "none") -> None:
+                 write_mode: str = "through", codec: str = "none", *, mac_key: bytes) -> None:
         """``write_mode``: "through" sends blocks when computed, "back" when they leave host memory,
         "selective" once a request reuses them; ``codec``: how blocks are encoded when written
-        (any codec is read)."""
+        (any codec is read); ``mac_key``: the deployment's store key (32 bytes, the same on every
+        replica: `tenants.registry.store_mac_key` of the server secret), which seals what is
+        written and checks what is read. There is no unsealed mode: a tier without it is refused."""
         if write_mode not in WRITE_MODES:
             raise ValueError(f"write must be one of {', '.join(WRITE_MODES)}, got {write_mode!r}")
+        self._mac = StoreMac(mac_key, fmt.fingerprint)
         self.write_mode = write_mode
         self.codec = check_codec(codec)
-        self.record_size = fmt.record_size_of(codec)  # bytes of one value written here
+        self.record_size = SEAL_SIZE + fmt.record_size_of(codec)  # bytes of one value written here
         self.url = url
         self.fmt = fmt
         self.ttl_s = ttl_s
@@ -83,7 +89,7 @@ class RemoteTier:
         self.life = BlockLife(max_tracked=65536)  # keys this replica wrote or read; Redis expires them itself
         self._client: Any = None
         where = None if cluster else endpoint(url)
-        self._gets = GetPipe(where, timeout_s, max_value=fmt.record_size) if where is not None else None
+        self._gets = GetPipe(where, timeout_s, max_value=SEAL_SIZE + fmt.record_size) if where is not None else None
         self._sets = SetPipe(where, timeout_s) if where is not None else None
         # where SetPipe sends write payloads (the chain's sender thread, below the step loop's
         # priority); None: on the I/O loop itself
@@ -115,7 +121,7 @@ class RemoteTier:
         return {"url": self.safe_url(), "cluster": self.cluster,
                 "label": "remote Redis Cluster" if self.cluster else "",
                 "breaker": self.breaker.state, "breaker_trips": self.breaker.trips, "write": self.write_mode,
-                "codec": self.codec,
+                "codec": self.codec, "mac": MAC_NAME,
                 "exists_checks": self.exists_checks, "exists_time_s": self.exists_time_s,
                 "quota": {"accounted_owners": self.accounted_owners, "quota_evictions": self.quota_evictions}}
 
@@ -206,23 +212,30 @@ class RemoteTier:
         ``dests[i]``, where given, is a writable buffer of one payload's size (a host slot): the
         payload of ``keys[i]`` is received straight into it and the result is that buffer (over
         redis-py, for TLS and Cluster, copied into it here, on the I/O loop), or None. Records
-        are checked as they arrive (resp.py), the checksum of one while the next is received, and
-        a record of another codec than none is decoded into its destination there."""
+        are checked as they arrive (resp.py), seal and checksum of one while the next is
+        received, and a record of another codec than none is decoded into its destination there;
+        a destination whose record fails is not handed back (None)."""
         if not keys:
             return []
         t0 = time.perf_counter()
         stored = [0] * len(keys)  # bytes of each record as stored (encoded)
+        largest = SEAL_SIZE + self.fmt.record_size  # a sealed record of codec none
 
         def verify(i: int, data: Any) -> memoryview | CorruptBlockError | None:
             if data is None:
                 return None
             try:
-                if isinstance(data, tuple):  # received as (header, the destination)
-                    stored[i] = data[0].nbytes + data[1].nbytes
-                    return check(self.fmt, keys[i], data[0], data[1], data[1].nbytes, into=data[1])
+                if isinstance(data, tuple):  # received as (seal + header, the destination)
+                    head, body = data
+                    stored[i] = head.nbytes + body.nbytes
+                    self._mac.check(keys[i], head[:SEAL_SIZE], head[SEAL_SIZE:], body)
+                    return check(self.fmt, keys[i], head[SEAL_SIZE:], body, body.nbytes, into=body)
                 stored[i] = len(data)
+                if stored[i] > largest:  # no record is this long: not worth a tag (GetPipe reads past these)
+                    raise UnauthenticBlockError(f"value of {stored[i]} bytes, longer than any sealed record")
+                record = self._mac.open(keys[i], data)  # the seal first: nothing unsealed is parsed
                 dest = dests[i] if i < len(dests) else None
-                payload = decode(self.fmt, keys[i], data, into=dest)  # none: a view of the reply, no copy
+                payload = decode(self.fmt, keys[i], record, into=dest)  # none: a view of the reply, no copy
                 if dest is None or payload is dest:
                     return payload
                 dest[:] = payload
@@ -232,7 +245,8 @@ class RemoteTier:
 
         if self._gets is not None:  # values received in place (resp.py); redis-py for the rest
             gets = self._gets
-            result = await self._guarded(lambda: gets.get([self.key(k) for k in keys], dests, HEADER_SIZE, verify))
+            head = SEAL_SIZE + HEADER_SIZE
+            result = await self._guarded(lambda: gets.get([self.key(k) for k in keys], dests, head, verify))
         else:
             result = await self._run(lambda pipe: [pipe.get(self.key(k)) for k in keys])
             if result is not None:
@@ -243,10 +257,17 @@ class RemoteTier:
             return [None] * len(keys)
         out: list[memoryview | None] = []
         bad: list[bytes] = []
+        unauthentic = 0
         nbytes = 0  # as stored
         delivered = 0  # decoded: the load-rate estimate counts blocks' bytes, as predictions do
         for key, got, size in zip(keys, result, stored, strict=True):
-            if isinstance(got, CorruptBlockError):
+            if isinstance(got, UnauthenticBlockError):  # logged once for the batch, below
+                unauthentic += 1
+                self.stats.unauthentic += 1
+                self.stats.misses += 1
+                bad.append(key)
+                out.append(None)
+            elif isinstance(got, CorruptBlockError):
                 logger.warning("remote cache: block %s is unusable (%s); deleted", key.hex()[:16], got)
                 if isinstance(got, UndecodableBlockError):
                     self.stats.undecodable += 1
@@ -268,10 +289,14 @@ class RemoteTier:
         self.stats.read_time_s += elapsed
         self.stats.bytes_read += nbytes
         found = sum(o is not None for o in out)
-        self.stats.metadata_bytes += len(keys) * (len(self.prefix) + 2 * len(keys[0])) + found * HEADER_SIZE
+        self.stats.metadata_bytes += len(keys) * (len(self.prefix) + 2 * len(keys[0])) + found * (SEAL_SIZE + HEADER_SIZE)
         self.access.observe("get", len(keys), nbytes)
         if delivered:
             self.rate.observe(delivered, elapsed, ops=len(keys))
+        if unauthentic:
+            logger.warning("remote cache %s: %d of %d records failed authentication (planted or altered in the "
+                           "store, or written by a server with another secret); deleted, their tokens are "
+                           "recomputed", self.safe_url(), unauthentic, len(keys))
         if bad:
             await self._run(lambda pipe: [pipe.delete(self.key(k)) for k in bad])
         return out
@@ -309,12 +334,13 @@ class RemoteTier:
             chunk = items[start:start + per]
             names = [self.key(k) for k, _ in chunk]
             t0 = time.perf_counter()
-            parts = await encode_records(self.fmt, self.codec, chunk, self.write_executor)
-            if self._sets is not None:  # header and payload sent from where they lie (resp.py)
+            parts = await encode_records(self.fmt, self.codec, chunk, self.write_executor, self._mac)
+            if self._sets is not None:  # seal, header and payload sent from where they lie (resp.py)
                 records = [(name, list(part)) for name, part in zip(names, parts, strict=True)]
                 result = await self._guarded(lambda records=records: self._set_all(records))
             else:
-                joined = [(name, header + body.tobytes()) for name, (header, body) in zip(names, parts, strict=True)]
+                joined = [(name, seal + header + body.tobytes())
+                          for name, (seal, header, body) in zip(names, parts, strict=True)]
                 result = await self._run(lambda pipe, joined=joined: [pipe.set(k, v, ex=self.ttl_s) for k, v in joined])
             if result is None:
                 self.stats.dropped += len(items) - start
@@ -326,7 +352,7 @@ class RemoteTier:
             key_bytes = sum(len(name) for name in names)
             sent = key_bytes + len(chunk) * self.record_size  # records as stored (encoded)
             self.stats.bytes_written += sent - key_bytes
-            self.stats.metadata_bytes += key_bytes + len(chunk) * HEADER_SIZE
+            self.stats.metadata_bytes += key_bytes + len(chunk) * (SEAL_SIZE + HEADER_SIZE)
             self.access.observe("put", len(chunk), sent)
             for key, _ in chunk:
                 self.life.inserted(key)
@@ -409,14 +435,19 @@ class RemoteTier:
 
 
 async def encode_records(fmt: BlockFormat, codec: str, chunk: Sequence[tuple[bytes, bytes | memoryview]],
-                         executor: Executor | None) -> list[tuple[bytes, memoryview]]:
-    """Each block's header and payload; a codec's encoding runs on a thread of ``executor`` (the
-    chain's sender thread), never on the I/O loop nor the step loop."""
-    if codec == "none":  # the payload as it lies: only the checksum to compute
-        return [(encode_header(fmt, k, p), memoryview(p).cast("B")) for k, p in chunk]
+                         executor: Executor | None, mac: StoreMac) -> list[tuple[bytes, bytes, memoryview]]:
+    """Each block's seal, header and payload, apart (sent without joining them); a codec's
+    encoding runs on a thread of ``executor`` (the chain's sender thread), never on the I/O loop
+    nor the step loop."""
 
-    def encode_all() -> list[tuple[bytes, memoryview]]:
-        return [encode_record(fmt, k, p, codec) for k, p in chunk]
+    def sealed(k: bytes, header: bytes, body: memoryview) -> tuple[bytes, bytes, memoryview]:
+        return mac.seal(k, header, body), header, body
+
+    if codec == "none":  # the payload as it lies: only the checksum and the tag to compute (~14 GB/s)
+        return [sealed(k, encode_header(fmt, k, p), memoryview(p).cast("B")) for k, p in chunk]
+
+    def encode_all() -> list[tuple[bytes, bytes, memoryview]]:
+        return [sealed(k, *encode_record(fmt, k, p, codec)) for k, p in chunk]
 
     return await asyncio.get_running_loop().run_in_executor(executor, encode_all)
 

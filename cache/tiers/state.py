@@ -102,7 +102,10 @@ class ChainState:
         self._staged: dict[bytes, bytes | memoryview] = {}  # loads waiting for a host slot when host is off
         self._owners: dict[bytes, str] = {}  # whom a block being loaded is for (step-loop view)
         self._job_keys: dict[Hashable, list[bytes]] = {}
-        self._remote_sent: OrderedDict[bytes, None] = OrderedDict()  # recently written to remote
+        # recently written to remote, key -> owner (step loop), and the writes not yet answered
+        # (key -> owner; written by the step loop, cleared by the I/O thread, under `_write_lock`)
+        self._remote_sent: OrderedDict[bytes, str] = OrderedDict()
+        self._remote_flight: dict[bytes, str] = {}
         # issue-to-done vs transfer time per kind of operation (gap metric 3)
         self.ops = {"prefetch": OpTimes()}  # and per tier: <store>_read, <store>_write, <shared>_put
         self.finished_jobs: dict[Hashable, JobTimes] = {}  # what poll() released, for the engine to take

@@ -28,6 +28,7 @@ class TierStats:
     timeouts: int = 0  # blocks whose load ran past the tier's deadline (the request recomputed them)
     lost: int = 0  # blocks whose files vanished with their folder
     undecodable: int = 0  # records of a codec this reader does not know: misses, deleted
+    unauthentic: int = 0  # shared-store records whose MAC fails (planted, altered, another secret): misses, deleted
 
     def snapshot(self) -> dict[str, float]:
         return asdict(self)

@@ -109,11 +109,37 @@ class WritePath(ChainState):
         if not fresh or not self._reserve_write(len(fresh)):
             return
         for key, _ in fresh:
-            self._remote_sent[key] = None
+            self._remote_sent[key] = owner
             if len(self._remote_sent) > 65536:
                 self._remote_sent.popitem(last=False)
+        keys = [k for k, _ in fresh]
+        with self._write_lock:
+            self._remote_flight.update(dict.fromkeys(keys, owner))
         coro = self._timed(f"{self.shared.name}_put", self.shared.put(fresh, owner), time.perf_counter())
-        self.io.submit(coro).add_done_callback(functools.partial(self._write_done, None, None))
+        future = self.io.submit(coro)
+        future.add_done_callback(functools.partial(self._remote_done, keys))
+        future.add_done_callback(functools.partial(self._write_done, None, None))
+
+    def _remote_done(self, keys: list[bytes], _future: Future[Any]) -> None:
+        with self._write_lock:
+            for key in keys:
+                self._remote_flight.pop(key, None)
+
+    def remote_in_flight(self, keys: Iterable[bytes] = (), owner: str | None = None) -> list[bytes]:
+        """Which of ``keys`` (or, with ``owner``, which of that owner's blocks) are being sent to
+        the shared tier now: a delete must wait for them, or they land after it (any thread)."""
+        with self._write_lock:
+            if owner is not None:
+                return [k for k, o in self._remote_flight.items() if o == owner]
+            return [k for k in keys if k in self._remote_flight]
+
+    def unsend(self, keys: Iterable[bytes] = (), owner: str | None = None) -> None:
+        """Forget that ``keys`` (or all of ``owner``'s) were sent to the shared tier, so that they
+        are sent again when computed again: they were deleted there (step loop)."""
+        if owner is not None:
+            keys = [k for k, o in self._remote_sent.items() if o == owner]
+        for key in keys:
+            self._remote_sent.pop(key, None)
 
     def remote_wants(self, key: bytes) -> bool:
         """``write = "selective"``: whether a block just reused should be sent to the shared

@@ -17,39 +17,17 @@ shuffled with a fixed seed so that drift on a busy machine falls on both sides a
 
 from __future__ import annotations
 
-import math
 import random
 import time
 
 import httpx
 
+from app.ks import ks_2samp
 from tests.app.conftest import TENANT_KEYS
 
 SAMPLES = 120
 PROMPT_TOKENS = 700  # 43 full blocks: a hit skips most of the prefill
 ALPHA = 0.01
-
-
-def ks_2samp(x: list[float], y: list[float]) -> tuple[float, float]:
-    """Two-sample Kolmogorov–Smirnov statistic D and its asymptotic p-value (Kolmogorov's
-    distribution with the small-sample correction of Stephens, as in Numerical Recipes)."""
-    xs, ys = sorted(x), sorted(y)
-    n, m = len(xs), len(ys)
-    i = j = 0
-    d = 0.0
-    while i < n and j < m:
-        v = min(xs[i], ys[j])
-        while i < n and xs[i] <= v:
-            i += 1
-        while j < m and ys[j] <= v:
-            j += 1
-        d = max(d, abs(i / n - j / m))
-    en = math.sqrt(n * m / (n + m))
-    lam = (en + 0.12 + 0.11 / en) * d
-    if lam < 0.2:
-        return d, 1.0
-    p = 2 * sum((-1) ** (k - 1) * math.exp(-2 * k * k * lam * lam) for k in range(1, 101))
-    return d, min(1.0, max(0.0, p))
 
 
 def test_ks_detects_a_shift_and_not_noise() -> None:

@@ -30,6 +30,8 @@ from cache.tiers.disk import DiskTier
 from cache.tiers.host import HostTier
 from cache.tiers.remote import RemoteTier
 
+MAC_KEY = bytes(range(100, 132))  # the store key every replica of a test deployment shares
+
 FMT = BlockFormat(bytes(range(32)), "float16", (4, 8))  # 64-byte blocks
 NB = FMT.payload_size
 DEAD_REDIS = "redis://127.0.0.1:1/0"  # never connected to: the tests drive the breaker directly
@@ -186,7 +188,7 @@ def test_describe_follows_a_real_chain_through_detach_and_attach(tmp_path: Path,
     chain.detach("host")
     assert now()["name"] == "Local-Paged" and "host" not in now()["tiers"]
 
-    chain.attach(RemoteTier(DEAD_REDIS, FMT, open_s=60.0))
+    chain.attach(RemoteTier(DEAD_REDIS, FMT, open_s=60.0, mac_key=MAC_KEY))
     shared = now()
     assert shared["name"] == "Shared-Store" and shared["axes"]["ownership"] == SHARED_OWNED
     assert shared["tiers"]["remote"]["capacity_bytes"] is None  # bounded by Redis, not KVGate
@@ -203,7 +205,7 @@ def test_describe_follows_a_real_chain_through_detach_and_attach(tmp_path: Path,
 
 
 def test_describe_reads_half_open_and_cluster(tmp_path: Path, chains: list[TierChain]) -> None:
-    chains.append(chain := TierChain([HostTier(4 * NB, NB), RemoteTier(DEAD_REDIS, FMT, open_s=0.0)]))
+    chains.append(chain := TierChain([HostTier(4 * NB, NB), RemoteTier(DEAD_REDIS, FMT, open_s=0.0, mac_key=MAC_KEY)]))
     assert chain.shared is not None
     for _ in range(chain.shared.breaker.failures_to_open):
         chain.shared.breaker.failure()

@@ -19,6 +19,8 @@ from cache.tiers.host import HostTier
 from cache.tiers.policy import make_policy
 from cache.tiers.remote import RemoteTier
 
+MAC_KEY = bytes(range(100, 132))  # the store key every replica of a test deployment shares
+
 NB = 64
 FMT = BlockFormat(bytes(range(32)), "float32", (2, 4))  # 32-byte payload
 
@@ -215,7 +217,7 @@ def test_remote_quota_is_kept_in_redis_for_every_replica(redis_url, redis_server
     payload = bytes(FMT.payload_size)
 
     async def main() -> None:
-        a, b = RemoteTier(redis_url, FMT, ttl_s=600), RemoteTier(redis_url, FMT, ttl_s=600)
+        a, b = RemoteTier(redis_url, FMT, ttl_s=600, mac_key=MAC_KEY), RemoteTier(redis_url, FMT, ttl_s=600, mac_key=MAC_KEY)
         try:
             for tier in (a, b):
                 tier.set_account("noisy", "tag0123", 3)

@@ -12,7 +12,7 @@ from cache.tiers.chain import TierChain
 from cache.tiers.disk import DiskTier
 from cache.tiers.host import HostTier
 from cache.tiers.remote import RemoteTier
-from tests.cache.test_tier_chain import FMT, NB, WAIT_S, block, key
+from tests.cache.test_tier_chain import FMT, MAC_KEY, NB, WAIT_S, block, key
 
 pytestmark = pytest.mark.unit
 
@@ -115,7 +115,7 @@ def test_unknown_admit_mode_is_refused() -> None:
 @pytest.mark.parametrize("mode", ["back", "selective"])
 def test_remote_write_modes_on_leaving_host(tmp_path: Path, chains: list[TierChain], redis_server, redis_url: str,
                                             mode: str) -> None:
-    remote = RemoteTier(redis_url, FMT, write_mode=mode)
+    remote = RemoteTier(redis_url, FMT, write_mode=mode, mac_key=MAC_KEY)
     chain = TierChain([HostTier(2 * NB, NB), remote])
     chains.append(chain)
     chain.note_reuse(key(2))

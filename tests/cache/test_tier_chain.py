@@ -19,6 +19,8 @@ from cache.tiers.disk import DiskTier
 from cache.tiers.host import HostTier
 from cache.tiers.remote import RemoteTier
 
+MAC_KEY = bytes(range(100, 132))  # the store key every replica of a test deployment shares
+
 FMT = BlockFormat(bytes(range(32)), "float16", (4, 8))  # 64-byte blocks
 NB = FMT.payload_size
 WAIT_S = 10.0  # upper bound of every polling loop; never reached when things work
@@ -255,7 +257,7 @@ def test_many_blocks_are_read_in_parallel_batches(tmp_path: Path, chains: list[T
 def test_a_remote_block_wanted_by_two_requests_is_fetched_once(redis_url: str, chains: list[TierChain]) -> None:
     """Two requests arriving together for the same prefix in Redis: one GET pipeline (the
     second waits for the first's), both released with every block in host memory."""
-    remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0)
+    remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0, mac_key=MAC_KEY)
     chains.append(chain := TierChain([HostTier(32 * NB, NB), remote]))
     assert chain.io is not None
     assert chain.io.submit(remote.put([(key(i), raw(i)) for i in range(12)])).result(WAIT_S)
@@ -307,7 +309,7 @@ def _in_slab(host: HostTier, view: memoryview) -> bool:
 def test_remote_blocks_land_straight_in_free_host_slots(redis_url: str, chains: list[TierChain]) -> None:
     """With free host slots, a remote load's payloads are received into them (no copy after);
     the slots of blocks the store lacks are freed again."""
-    remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0)
+    remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0, mac_key=MAC_KEY)
     chains.append(chain := TierChain([HostTier(16 * NB, NB), remote]))
     host = chain.memory
     assert chain.io is not None and host is not None
@@ -324,7 +326,7 @@ def test_remote_blocks_land_straight_in_free_host_slots(redis_url: str, chains: 
 
 
 def test_a_remote_key_asked_for_twice_holds_one_slot(redis_url: str, chains: list[TierChain]) -> None:
-    remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0)
+    remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0, mac_key=MAC_KEY)
     chains.append(chain := TierChain([HostTier(8 * NB, NB), remote]))
     host = chain.memory
     assert chain.io is not None and host is not None
@@ -339,7 +341,7 @@ def test_a_full_host_evicts_nothing_for_remote_blocks_the_store_lacks(redis_url:
                                                                        chains: list[TierChain]) -> None:
     """Remote loads take only free slots: with the host full, a lookup that misses costs no host
     block, and a hit still arrives (in buffers of its own, copied in, evicting as a put does)."""
-    remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0)
+    remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0, mac_key=MAC_KEY)
     chains.append(chain := TierChain([HostTier(4 * NB, NB), remote]))
     host = chain.memory
     assert chain.io is not None and host is not None
@@ -510,7 +512,7 @@ def test_snapshot(chain: TierChain) -> None:
 def test_remote_blocks_without_a_host_tier_are_staged_then_promoted_once(redis_url: str, chains: list[TierChain]) -> None:
     """With no host tier a remote load waits in the chain (the reply's own buffer) until the
     request promotes it; a promoted block leaves the staging area."""
-    remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0)
+    remote = RemoteTier(redis_url, FMT, ttl_s=120, timeout_s=5.0, mac_key=MAC_KEY)
     chains.append(chain := TierChain([remote]))
     assert chain.io is not None
     assert chain.io.submit(remote.put([(key(i), raw(i)) for i in range(5)])).result(WAIT_S)
@@ -548,7 +550,7 @@ def test_writes_run_on_background_threads_below_normal_priority(
     monkeypatch.setattr(os, "writev", spy_writev)
     monkeypatch.setattr(resp, "_send_all", spy_send)
     disk = DiskTier(tmp_path / "disk", 32 * FMT.record_size, FMT)
-    chains.append(chain := TierChain([HostTier(2 * NB, NB), disk, RemoteTier(redis_url, FMT, timeout_s=5.0)]))
+    chains.append(chain := TierChain([HostTier(2 * NB, NB), disk, RemoteTier(redis_url, FMT, timeout_s=5.0, mac_key=MAC_KEY)]))
     assert chain.io is not None
     demote_all(chain, range(6))  # 4 leave host memory for disk
     chain.write_remote([(key(i), raw(i)) for i in range(6)])

@@ -17,6 +17,9 @@ from cache.tiers.codec import HEADER_SIZE, BlockFormat, encode
 from cache.tiers.disk import DiskTier
 from cache.tiers.kv_codec import CODECS
 from cache.tiers.remote import RemoteTier
+from cache.tiers.store_mac import SEAL_SIZE, StoreMac
+
+MAC_KEY = bytes(range(100, 132))  # the store key every replica of a test deployment shares
 
 SHAPE = (2, 2, 4, 2, 8)  # layers, K|V, tokens, kv heads, head_dim: 1 KiB of float32
 FMT = BlockFormat(bytes(range(32)), "float32", SHAPE)
@@ -149,8 +152,8 @@ def test_a_version_2_record_is_a_miss(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("codec", ["bf16", "int8"])
 def test_remote_round_trip_with_a_codec(redis_url: str, redis_server: Any, codec: str) -> None:
-    writer = RemoteTier(redis_url, FMT, ttl_s=120, codec=codec)
-    reader = RemoteTier(redis_url, FMT, ttl_s=120)  # set to none: decodes what the record says
+    writer = RemoteTier(redis_url, FMT, ttl_s=120, codec=codec, mac_key=MAC_KEY)
+    reader = RemoteTier(redis_url, FMT, ttl_s=120, mac_key=MAC_KEY)  # set to none: decodes what the record says
     slots = [numpy.zeros(FMT.payload_size, dtype=numpy.uint8).data for _ in range(2)]
 
     async def main() -> tuple[list[Any], list[Any]]:
@@ -162,25 +165,26 @@ def test_remote_round_trip_with_a_codec(redis_url: str, redis_server: Any, codec
             await reader.close()
 
     into, fresh = run(main())
-    assert writer.stats.bytes_written == 2 * FMT.record_size_of(codec)
+    assert writer.stats.bytes_written == 2 * (SEAL_SIZE + FMT.record_size_of(codec))
     assert into[0] is slots[0] and into[1] is slots[1]
     for i in (1, 2):
         x, y = block(i), as_block(slots[i - 1])
         bound = x.abs().amax(dim=(2, 4), keepdim=True) / 127 if codec == "int8" else 2 ** -8 * x.abs()
         assert ((y - x).abs() <= bound).all()
     assert fresh[1] is None and torch.equal(as_block(fresh[0]), as_block(slots[0]))
-    assert reader.stats.bytes_read == 3 * FMT.record_size_of(codec) and reader.stats.hits == 3
+    assert reader.stats.bytes_read == 3 * (SEAL_SIZE + FMT.record_size_of(codec)) and reader.stats.hits == 3
     assert reader.describe()["codec"] == "none"
     with redis_server.client() as client:
-        assert len(client.get(reader.key(key(1)))) == FMT.record_size_of(codec)
+        assert len(client.get(reader.key(key(1)))) == SEAL_SIZE + FMT.record_size_of(codec)
 
 
 def test_remote_record_of_an_unknown_codec_is_a_counted_miss_and_deleted(redis_url: str, redis_server: Any) -> None:
-    tier = RemoteTier(redis_url, FMT, codec="bf16")
+    tier = RemoteTier(redis_url, FMT, codec="bf16", mac_key=MAC_KEY)
     data = bytearray(encode(FMT, key(4), payload(4), "bf16"))
     struct.pack_into("<H", data, OFF_CODEC, 0x7F)
+    seal = StoreMac(MAC_KEY, FMT.fingerprint).seal(key(4), bytes(data))  # by a replica that knows the codec
     with redis_server.client() as client:
-        client.set(tier.key(key(4)), bytes(data))
+        client.set(tier.key(key(4)), seal + bytes(data))
 
     async def main() -> list[Any]:
         try:

@@ -1,5 +1,6 @@
 """RemoteTier on a real redis-server: batched round trips, key format, TTL, corrupt records, and a
-store that is dead or frozen degrades to misses within the timeout, then recovers."""
+store that is dead or frozen degrades to misses within the timeout, then recovers. (Sealed
+records and what fails their MAC: tests/cache/test_store_mac.py.)"""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import pytest
 
 from cache.tiers.codec import BlockFormat, encode
 from cache.tiers.remote import RemoteTier
+from cache.tiers.store_mac import SEAL_SIZE, StoreMac
+
+MAC_KEY = bytes(range(100, 132))  # the store key every replica of a test deployment shares
 
 FMT = BlockFormat(bytes(range(32)), "float32", (2, 4))
 PAYLOAD = bytes(range(32))
@@ -25,9 +29,14 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def sealed(block_hash: bytes, record: bytes, fmt: BlockFormat = FMT) -> bytes:
+    """``record`` as a replica holding the store key writes it under ``block_hash``."""
+    return StoreMac(MAC_KEY, fmt.fingerprint).seal(block_hash, record) + record
+
+
 def test_put_exists_get_round_trip_with_the_documented_keys_and_a_ttl(redis_url, redis_server) -> None:
     async def main() -> None:
-        tier = RemoteTier(redis_url, FMT, ttl_s=120)
+        tier = RemoteTier(redis_url, FMT, ttl_s=120, mac_key=MAC_KEY)
         try:
             assert await tier.put([(key(1), PAYLOAD), (key(2), PAYLOAD[::-1])]) == 2
             assert await tier.exists([key(1), key(3), key(2)]) == [True, False, True]
@@ -42,18 +51,19 @@ def test_put_exists_get_round_trip_with_the_documented_keys_and_a_ttl(redis_url,
         assert keys == [f"kvgate:{FMT.fingerprint.hex()}:{key(i).hex()}" for i in (1, 2)]
         assert 0 < client.ttl(keys[0]) <= 120
         value = client.get(keys[0])
-        assert value == encode(FMT, key(1), PAYLOAD)  # header + bytes: no token ids, no text
+        assert value[SEAL_SIZE:] == encode(FMT, key(1), PAYLOAD)  # seal, header + bytes: no token ids, no text
+        StoreMac(MAC_KEY, FMT.fingerprint).check(key(1), value[:SEAL_SIZE], value[SEAL_SIZE:])
 
 
 def test_a_corrupt_or_foreign_record_is_a_miss_and_deleted(redis_url, redis_server) -> None:
-    tier = RemoteTier(redis_url, FMT)
+    tier = RemoteTier(redis_url, FMT, mac_key=MAC_KEY)
     name = tier.key(key(5))
     other = BlockFormat(bytes(32), "float32", (2, 4))
     with redis_server.client() as client:
-        client.set(name, encode(other, key(5), PAYLOAD))  # another model's block under our key
+        client.set(name, sealed(key(5), encode(other, key(5), PAYLOAD)))  # another model's block, sealed
         client.set(tier.key(key(6)), b"garbage")
         client.set(tier.key(key(7)), b"x" * (FMT.record_size * 1000))  # too long: read past, never kept
-        client.set(tier.key(key(8)), encode(FMT, key(8), PAYLOAD))
+        client.set(tier.key(key(8)), sealed(key(8), encode(FMT, key(8), PAYLOAD)))
 
     async def main() -> list:
         try:
@@ -62,7 +72,7 @@ def test_a_corrupt_or_foreign_record_is_a_miss_and_deleted(redis_url, redis_serv
             await tier.close()
 
     assert run(main()) == [None, None, None, PAYLOAD]
-    assert tier.stats.corrupt == 3
+    assert tier.stats.corrupt == 1 and tier.stats.unauthentic == 2  # garbage carries no valid seal
     with redis_server.client() as client:
         assert client.exists(name) == 0 and client.exists(tier.key(key(7))) == 0
 
@@ -70,12 +80,12 @@ def test_a_corrupt_or_foreign_record_is_a_miss_and_deleted(redis_url, redis_serv
 def test_payloads_are_received_straight_into_the_given_destinations(redis_url, redis_server) -> None:
     """A destination per key (a host slot): the payload lands there and the result is that very
     buffer; a flipped payload byte or another model's record of the same size is still a miss."""
-    tier = RemoteTier(redis_url, FMT)
-    flipped = bytearray(encode(FMT, key(3), PAYLOAD))
+    tier = RemoteTier(redis_url, FMT, mac_key=MAC_KEY)
+    flipped = bytearray(sealed(key(3), encode(FMT, key(3), PAYLOAD)))
     flipped[-1] ^= 1
     with redis_server.client() as client:
         client.set(tier.key(key(3)), bytes(flipped))
-        client.set(tier.key(key(4)), encode(BlockFormat(bytes(32), "float32", (2, 4)), key(4), PAYLOAD))
+        client.set(tier.key(key(4)), sealed(key(4), encode(BlockFormat(bytes(32), "float32", (2, 4)), key(4), PAYLOAD)))
     dests = [bytearray(FMT.payload_size) for _ in range(5)]
 
     async def main() -> list:
@@ -89,7 +99,7 @@ def test_payloads_are_received_straight_into_the_given_destinations(redis_url, r
     assert [g.obj if g is not None else None for g in got[:2]] == dests[:2] and got[2:] == [None, None, None]
     assert got[0].obj is dests[0] and got[1].obj is dests[1]
     assert dests[0] == PAYLOAD and dests[1] == PAYLOAD[::-1]
-    assert tier.stats.hits == 2 and tier.stats.corrupt == 2 and tier.stats.misses == 3
+    assert tier.stats.hits == 2 and tier.stats.corrupt == 1 and tier.stats.unauthentic == 1 and tier.stats.misses == 3
     with redis_server.client() as client:
         assert client.exists(tier.key(key(3))) == 0 and client.exists(tier.key(key(4))) == 0
         client.delete(tier.key(key(1)), tier.key(key(2)))
@@ -103,7 +113,7 @@ def test_a_dead_store_is_a_fast_miss_and_opens_the_breaker(tmp_path) -> None:
         port = sock.getsockname()[1]  # nothing listens here
 
     async def main() -> None:
-        tier = RemoteTier(f"redis://127.0.0.1:{port}/0", FMT, timeout_s=0.3, failures_to_open=2, open_s=60)
+        tier = RemoteTier(f"redis://127.0.0.1:{port}/0", FMT, timeout_s=0.3, failures_to_open=2, open_s=60, mac_key=MAC_KEY)
         try:
             for _ in range(2):
                 assert await tier.get([key(1)]) == [None]
@@ -122,7 +132,7 @@ def test_a_dead_store_is_a_fast_miss_and_opens_the_breaker(tmp_path) -> None:
 
 def test_a_frozen_store_times_out_then_service_recovers(redis_url, redis_server) -> None:
     async def main() -> None:
-        tier = RemoteTier(redis_url, FMT, timeout_s=0.3, failures_to_open=1, open_s=0.2)
+        tier = RemoteTier(redis_url, FMT, timeout_s=0.3, failures_to_open=1, open_s=0.2, mac_key=MAC_KEY)
         try:
             assert await tier.put([(key(1), PAYLOAD)]) == 1
             os.kill(redis_server.proc.pid, signal.SIGSTOP)
@@ -149,7 +159,7 @@ def test_a_frozen_store_times_out_then_service_recovers(redis_url, redis_server)
 @pytest.mark.parametrize("url", ["redis://user:secret@127.0.0.1:1/0"])
 def test_the_password_never_reaches_the_log(url: str, caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
-        tier = RemoteTier(url, FMT, timeout_s=0.2)
+        tier = RemoteTier(url, FMT, timeout_s=0.2, mac_key=MAC_KEY)
         try:
             await tier.get([key(1)])
         finally:
@@ -168,12 +178,12 @@ def test_a_large_write_goes_out_in_bounded_pipelines_and_lookups_run_between_the
 
     fmt = BlockFormat(bytes(range(32)), "float32", (1024, 1024))  # 4 MiB records: a pipeline outlasts a lookup
     payload = bytes(fmt.payload_size)
-    monkeypatch.setattr(remote_module, "WRITE_PIPELINE_BYTES", 3 * fmt.record_size)
+    monkeypatch.setattr(remote_module, "WRITE_PIPELINE_BYTES", 3 * (SEAL_SIZE + fmt.record_size))
     pipelines: list[int] = []
     between: list[int] = []  # lookups that ran while the write was under way
 
     async def main() -> None:
-        tier = RemoteTier(redis_url, fmt, timeout_s=10)
+        tier = RemoteTier(redis_url, fmt, timeout_s=10, mac_key=MAC_KEY)
         assert tier._sets is not None
         real_set = tier._sets.set
 
@@ -207,7 +217,7 @@ def test_records_are_written_without_redis_py_and_read_back_byte_for_byte(redis_
     payloads = [os.urandom(fmt.payload_size) for _ in range(6)]
 
     async def main() -> None:
-        tier = RemoteTier(redis_url, fmt, ttl_s=300)
+        tier = RemoteTier(redis_url, fmt, ttl_s=300, mac_key=MAC_KEY)
         assert tier._sets is not None
         try:
             items = [(key(i), p if i % 2 else memoryview(p)) for i, p in enumerate(payloads)]
@@ -220,7 +230,11 @@ def test_records_are_written_without_redis_py_and_read_back_byte_for_byte(redis_
     with redis_server.client() as client:
         names = [f"kvgate:{fmt.fingerprint.hex()}:{key(i).hex()}" for i in range(6)]
         try:
-            assert [client.get(n) for n in names] == [encode(fmt, key(i), p) for i, p in enumerate(payloads)]
+            values = [client.get(n) for n in names]
+            assert [v[SEAL_SIZE:] for v in values] == [encode(fmt, key(i), p) for i, p in enumerate(payloads)]
+            mac = StoreMac(MAC_KEY, fmt.fingerprint)
+            for i, v in enumerate(values):
+                mac.check(key(i), v[:SEAL_SIZE], v[SEAL_SIZE:])
             assert all(0 < client.ttl(n) <= 300 for n in names)
         finally:
             client.delete(*names)
@@ -234,7 +248,7 @@ def test_a_write_the_store_refuses_is_dropped_and_counted_not_raised(redis_url, 
         client.config_set("maxmemory-policy", "noeviction")
     try:
         async def main() -> RemoteTier:
-            tier = RemoteTier(redis_url, FMT)
+            tier = RemoteTier(redis_url, FMT, mac_key=MAC_KEY)
             try:
                 assert await tier.put([(key(40), PAYLOAD), (key(41), PAYLOAD)]) == 0
             finally:

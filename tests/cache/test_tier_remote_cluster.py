@@ -16,6 +16,8 @@ import pytest
 from cache.tiers.codec import BlockFormat
 from cache.tiers.remote import RemoteTier
 
+MAC_KEY = bytes(range(100, 132))  # the store key every replica of a test deployment shares
+
 FMT = BlockFormat(bytes(range(32)), "float32", (2, 4))
 PAYLOAD = bytes(range(32))
 
@@ -83,7 +85,7 @@ def test_cluster_round_trip_and_a_dead_node(cluster) -> None:
 
     async def main() -> None:
         tier = RemoteTier(f"redis://127.0.0.1:{ports[0]}/0", FMT, cluster=True, timeout_s=1.0,
-                          failures_to_open=100)
+                          failures_to_open=100, mac_key=MAC_KEY)
         try:
             assert await tier.put([(k, PAYLOAD) for k in keys]) == len(keys)
             assert await tier.exists(keys) == [True] * len(keys)

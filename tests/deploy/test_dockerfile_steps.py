@@ -13,6 +13,7 @@ the test checks that every instruction of the Dockerfile was run or skipped as m
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -149,7 +150,7 @@ def test_compose_runs_redis_with_persistence_and_two_replicas_on_one_remote() ->
     command = redis["command"]
     assert command[command.index("--appendonly") + 1] == "yes"
     assert any(volume.endswith(":/data") for volume in redis["volumes"])
-    replicas = {name: spec for name, spec in services.items() if name != "redis"}
+    replicas = {name: spec for name, spec in services.items() if name not in ("redis", "router")}
     assert sorted(replicas) == ["kvgate-a", "kvgate-b"]
     assert sorted(spec["ports"][0] for spec in replicas.values()) == ["8001:8000", "8002:8000"]
     configs = set()
@@ -169,6 +170,26 @@ def test_compose_runs_redis_with_persistence_and_two_replicas_on_one_remote() ->
     remote = settings.cache.remote
     assert remote is not None and remote.url.startswith("redis://redis:6379") and remote.write == "through"
     assert len(settings.tenants) == 2 and settings.admin.api_key
+    assert settings.events.endpoint == "tcp://*:5557" and settings.events.replay_endpoint
+
+
+def test_compose_puts_the_router_in_front_of_both_replicas() -> None:
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    router = services["router"]
+    command = router["command"]
+    assert command[:2] == ["kvgate", "route"] and command[command.index("--port") + 1] == "8000"
+    replicas = [command[i + 1] for i, arg in enumerate(command) if arg == "--replica"]
+    assert replicas == ["http://kvgate-a:8000", "http://kvgate-b:8000"]
+    assert router["ports"] == ["8000:8000"] and sorted(router["depends_on"]) == ["kvgate-a", "kvgate-b"]
+    # the router derives tenants' salts as the replicas do: their config and their secret
+    assert router["environment"]["KVGATE_SECRET"] == services["kvgate-a"]["environment"]["KVGATE_SECRET"]
+    assert router["volumes"] == services["kvgate-a"]["volumes"][:1]
+    from app.router.cli import add_parser, parse_replica
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(command[1:])  # the command line the router runs is one it accepts
+    assert [parse_replica(r)[0] for r in args.replica] == replicas
 
 
 @pytest.mark.parametrize("script", [STEPS, CLUSTER_SCRIPT], ids=lambda p: p.name)
@@ -234,7 +255,7 @@ def test_compose_file_passes_the_compose_cli() -> None:
                             env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     rendered = yaml.safe_load(result.stdout)["services"]
-    assert set(rendered) == {"redis", "kvgate-a", "kvgate-b"}
+    assert set(rendered) == {"redis", "kvgate-a", "kvgate-b", "router"}
     for name in ("kvgate-a", "kvgate-b"):
         assert Path(rendered[name]["build"]["context"]).resolve() == ROOT
         assert rendered[name]["environment"]["KVGATE_SECRET"] == rendered["kvgate-a"]["environment"]["KVGATE_SECRET"]

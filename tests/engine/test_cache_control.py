@@ -26,7 +26,8 @@ SALTS = {"acme": b"salt-of-acme", "globex": b"salt-of-globex"}
 
 def make_engine(model_dir: Path, **overrides: Any) -> EngineCore:
     kwargs: dict[str, Any] = dict(model=str(model_dir), block_size=BLOCK, num_blocks=64,
-                                  max_num_batched_tokens=128, host_cache_mb=1)
+                                  max_num_batched_tokens=128, host_cache_mb=1,
+                                  store_mac_key=bytes(range(100, 132)))  # the deployment's store key
     kwargs.update(overrides)
     return EngineCore(EngineConfig(**kwargs))
 

@@ -28,7 +28,8 @@ SALT_A, SALT_B = b"salt-of-tenant-a", b"salt-of-tenant-b"  # A's group mates has
 def make_engine(model_dir: Path, tmp: Path, name: str, redis_url: str | None = None) -> EngineCore:
     return EngineCore(EngineConfig(
         model=str(model_dir), block_size=BLOCK, num_blocks=160, max_num_batched_tokens=512, max_model_len=2048,
-        host_cache_mb=64, disk_cache_path=str(tmp / name), remote_cache_url=redis_url))
+        host_cache_mb=64, disk_cache_path=str(tmp / name), remote_cache_url=redis_url,
+        store_mac_key=bytes(range(100, 132))))  # one deployment: every replica holds the store key
 
 
 def prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:

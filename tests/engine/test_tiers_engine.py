@@ -21,7 +21,7 @@ PROMPT_LEN = 121  # 30 full blocks + 1 token
 
 def make_engine(model_dir: Path, **overrides) -> EngineCore:
     kwargs = dict(model=str(model_dir), block_size=BLOCK, num_blocks=64, max_num_batched_tokens=128,
-                  host_cache_mb=1)
+                  host_cache_mb=1, store_mac_key=bytes(range(100, 132)))  # every replica's store key
     kwargs.update(overrides)
     return EngineCore(EngineConfig(**kwargs))
 

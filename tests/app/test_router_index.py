@@ -1,0 +1,91 @@
+"""The router's index and score, from tables: a prefix held in memory beats one on disk beats
+none, load weighs against it by the one knob, ties share the load, and the event feed applies
+batches in order and clears (never guesses) when a gap cannot be filled."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+
+from app.router.index import ReplicaIndex, choose, estimate
+from app.router.replicas import EventFeed, Replica
+
+pytestmark = pytest.mark.unit
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+PROMPT = [h(i) for i in range(10)]  # 10 blocks of 16 tokens
+
+
+def index(**media: range) -> ReplicaIndex:
+    idx = ReplicaIndex()
+    for medium, blocks in media.items():
+        idx.stored(medium, [h(i) for i in blocks])
+    return idx
+
+
+@pytest.mark.parametrize("held, cached", [
+    ({}, 0),
+    ({"GPU": range(10)}, 160),
+    ({"GPU": range(4), "CPU": range(4, 8)}, 128),  # memory, across two media
+    ({"GPU": range(1, 10)}, 0),  # the first block is missing: nothing reusable
+    ({"GPU": range(4), "DISK": range(10)}, 64 + 0.9 * 96),  # disk counts 0.9 of memory
+    ({"REMOTE": range(10)}, 0),  # a shared store is the same for every replica
+])
+def test_cached_tokens(held: dict, cached: float) -> None:
+    e = estimate(0, index(**held), PROMPT, 170, 16, outstanding=0, in_flight=0, load_weight=1.0)
+    assert e.cached_tokens == pytest.approx(cached)
+    assert e.cost == pytest.approx(170 - cached)
+
+
+def test_the_prefix_wins_until_the_load_outweighs_it() -> None:
+    warm, cold = index(GPU=range(10)), index()
+    for load_weight, outstanding, winner in [(1.0, 0, 0), (1.0, 150, 0), (1.0, 170, 1), (0.0, 10_000, 0),
+                                             (100.0, 2, 1)]:
+        estimates = [estimate(0, warm, PROMPT, 170, 16, outstanding, 1, load_weight),
+                     estimate(1, cold, PROMPT, 170, 16, 0, 0, load_weight)]
+        assert choose(estimates).replica == winner, (load_weight, outstanding)
+
+
+def test_ties_go_to_fewer_in_flight_then_in_turn() -> None:
+    empty = [estimate(i, index(), PROMPT, 170, 16, 0, 0, 1.0) for i in range(3)]
+    assert [choose(empty, turn).replica for turn in range(4)] == [0, 1, 2, 0]
+    busy = [estimate(0, index(), PROMPT, 170, 16, 0, 2, 1.0), estimate(1, index(), PROMPT, 170, 16, 0, 1, 1.0)]
+    assert choose(busy, 0).replica == 1
+
+
+def test_events_fold_into_the_index() -> None:
+    idx = ReplicaIndex()
+    idx.apply(["BlockStored", [h(1), h(2)], None, [], 16, None, "GPU"])
+    idx.apply(["BlockRemoved", [h(1)], "GPU"])
+    idx.apply(["BlockStored", [h(1)], None, [], 16, None, "CPU"])
+    assert idx.blocks() == {"CPU": 1, "GPU": 1}
+    idx.apply(["AllBlocksCleared"])
+    assert idx.blocks() == {} and idx.clears == 1
+
+
+def batch(*events: list) -> bytes:
+    return msgpack.packb([1.0, list(events), None], use_bin_type=True)
+
+
+def test_the_feed_applies_in_order_and_clears_on_a_gap_it_cannot_fill() -> None:
+    replica = Replica("http://r")  # no replay endpoint: a gap cannot be filled
+    feed = EventFeed(replica, ctx=None)  # type: ignore[arg-type]
+
+    async def go() -> None:
+        await feed.receive(0, batch(["AllBlocksCleared"], ["BlockStored", [h(1)], None, [], 16, None, "GPU"]))
+        await feed.receive(1, batch(["BlockStored", [h(2)], h(1), [], 16, None, "GPU"]))
+        assert replica.index.blocks() == {"GPU": 2} and replica.resets == 0
+        await feed.receive(5, batch(["BlockStored", [h(9)], None, [], 16, None, "GPU"]))  # 2..4 lost
+        assert replica.index.blocks() == {"GPU": 1} and replica.gaps == 1 and replica.resets == 1
+        await feed.receive(0, batch(["AllBlocksCleared"]))  # the replica started again
+        assert replica.index.blocks() == {} and replica.next_seq == 1
+        await feed.receive(1, b"not msgpack")
+        assert replica.resets == 3 and replica.next_seq == 2
+
+    asyncio.run(go())
