@@ -42,9 +42,13 @@ BLOCK = CONFIG.cache.block_size
 
 
 def replica_config(url: str, cluster: bool = False) -> str:
-    """The compose config with its Redis URL replaced (and `cluster = true` for a cluster)."""
+    """The compose config with its Redis URL replaced (and `cluster = true` for a cluster); its KV
+    event sockets on free ports, as two replicas on one machine need (in compose each has its own
+    network namespace)."""
     text, count = re.subn(r'(?m)^url = "redis://[^"]*"', f'url = "{url}"', COMPOSE_CONFIG.read_text())
     assert count == 1, "loadtest/compose/kvgate.toml should have exactly one [cache.remote] url"
+    text, count = re.subn(r'(?m)^(endpoint|replay_endpoint) = "tcp://\*:\d+"', r'\1 = "tcp://127.0.0.1:*"', text)
+    assert count == 2, "loadtest/compose/kvgate.toml should publish KV events (endpoint, replay_endpoint)"
     if cluster:
         text = text.replace("[cache.remote]\n", "[cache.remote]\ncluster = true\n", 1)
     return text
