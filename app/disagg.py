@@ -33,11 +33,15 @@ class ShipCounters:
     late: int = 0  # prompts whose blocks were not all in the store by the deadline
 
 
-async def shared_tier(state: Any, engine: Any) -> str | None:
-    """The name of the engine's shared tier (the one whose traits say ``shared``), or None."""
-    tiers = (await engine.stats()).get("tiers", {})
-    return next((name for name, t in tiers.items() if isinstance(t, dict) and t.get("traits", {}).get("shared")),
-                None)
+async def shared_tier(state: Any, engine: Any, refresh: bool = False) -> str | None:
+    """The name of the engine's shared tier (the one whose traits say ``shared``), or None: read
+    from a full engine snapshot once, then remembered (``refresh``: read again, after a lookup
+    answer stopped naming it: the tier was detached or another attached)."""
+    if refresh or not hasattr(state, "shared_tier"):
+        tiers = (await engine.stats()).get("tiers", {})
+        state.shared_tier = next((name for name, t in tiers.items()
+                                  if isinstance(t, dict) and t.get("traits", {}).get("shared")), None)
+    return state.shared_tier
 
 
 async def await_shipped(state: Any, engine: Any, tenant: Tenant, prompts: list[list[int]],
@@ -64,6 +68,10 @@ async def await_shipped(state: Any, engine: Any, tenant: Tenant, prompts: list[l
                 logger.warning("prefill: could not ask the engine whether a prompt's blocks are stored (%s)", exc)
                 counters.late += 1
                 break
+            if answer.get("ok") and shared not in answer.get("blocks", {}):  # the tiers changed
+                shared = await shared_tier(state, engine, refresh=True)
+                if shared is None:
+                    return
             if answer.get("ok") and answer.get("blocks", {}).get(shared, 0) >= want:
                 break
             if time.monotonic() - t0 > SHIP_TIMEOUT_S:

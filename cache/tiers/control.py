@@ -18,7 +18,7 @@ import asyncio
 import heapq
 import math
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,16 +115,12 @@ async def drop_stores(chain: Any, stores: Sequence[Any], keys: Sequence[bytes], 
         return {store.name: sum(1 for key in batch if store.delete(key)) for store in stores}
 
     dropped = await loop.run_in_executor(None, delete_all, list(keys))
-    pending = list(settle)
-    deadline = time.monotonic() + WRITE_SETTLE_S
-    while pending and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-        done = [key for key in pending if not chain.on_lower_tier(key)]
-        if done:
-            late = await loop.run_in_executor(None, delete_all, done)
-            for name, n in late.items():
-                dropped[name] += n
-            pending = [key for key in pending if key not in set(done)]
+
+    async def delete_landed(done: list[bytes]) -> None:
+        for name, n in (await loop.run_in_executor(None, delete_all, done)).items():
+            dropped[name] += n
+
+    await _when_landed(settle, lambda pending: [k for k in pending if chain.on_lower_tier(k)], delete_landed)
     return dropped
 
 
@@ -141,17 +137,30 @@ async def settle_shared(chain: Any, shared: Any, keys: Sequence[bytes], tag: str
     """Delete again, from the shared tier, those of ``keys`` whose write was in flight when a
     delete came (they would land after it), once written (up to `WRITE_SETTLE_S`); how many it
     held then. A failed delete counts 0 (their TTL ends them)."""
-    pending = list(keys)
     deleted = 0
+
+    async def delete_landed(done: list[bytes]) -> None:
+        nonlocal deleted
+        deleted += await shared.delete(done, tag) or 0
+
+    await _when_landed(keys, chain.remote_in_flight, delete_landed)
+    return deleted
+
+
+async def _when_landed(keys: Sequence[bytes], in_flight: Callable[[list[bytes]], Sequence[bytes]],
+                       act: Callable[[list[bytes]], Awaitable[None]]) -> None:
+    """Call ``act`` with each of ``keys`` once ``in_flight`` no longer lists it (its write ended),
+    polling until all have or `WRITE_SETTLE_S` passes: what a delete does again for blocks whose
+    writes were in flight when it came, and so land after it."""
+    pending = list(keys)
     deadline = time.monotonic() + WRITE_SETTLE_S
     while pending and time.monotonic() < deadline:
-        await asyncio.sleep(0.005)
-        flying = set(chain.remote_in_flight(pending))
+        await asyncio.sleep(0.01)
+        flying = set(in_flight(pending))
         done = [key for key in pending if key not in flying]
         if done:
-            deleted += await shared.delete(done, tag) or 0
+            await act(done)
             pending = [key for key in pending if key in flying]
-    return deleted
 
 
 @dataclass(slots=True)
