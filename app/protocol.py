@@ -262,6 +262,9 @@ class ChatCompletionRequest(_GenerationRequest):
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
+    cached_tokens_per_tier: dict[str, int] = Field(
+        default_factory=dict, description="KVGate: of cached_tokens, how many each tier served (device, host, "
+                                          "disk, remote, ...; tiers that served none left out)")
 
 
 class UsageInfo(BaseModel):

@@ -6,6 +6,7 @@ have a router of their own.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -51,15 +52,26 @@ async def replica(request: Request, engine: Engine) -> dict[str, Any]:
     fingerprint (a prompt's block hashes depend on it), the block size, where KV events are
     published (null: off), its role (both, prefill or decode: docs/disaggregated.md; a prefill
     replica's waits for the shared store under ``shipped``), and an id that changes with every
-    start of this server."""
-    events = (await engine.stats()).get("events")
+    start of this server. ``shared_store``: where every computed block is written through to a
+    store other replicas read, an id of that store (a digest of its address), else null."""
+    stats = await engine.stats()
+    events = stats.get("events")
     state = request.app.state
     ship = state.ship_counters
     return {"model": engine.model_name, "fingerprint": engine.fingerprint.hex(),
             "block_size": state.settings.cache.block_size, "max_model_len": engine.max_model_len,
             "instance": state.instance, "role": state.settings.server.role,
             "shipped": {"prompts": ship.waited, "wait_s": ship.wait_s, "late": ship.late},
+            "shared_store": _shared_store(stats.get("tiers") or {}),
             "events": None if events is None else {k: events[k] for k in ("endpoint", "replay_endpoint", "topic")}}
+
+
+def _shared_store(tiers: dict[str, Any]) -> str | None:
+    """An id of the shared store this replica writes every block through to, or None."""
+    for detail in tiers.values():
+        if isinstance(detail, dict) and detail.get("url") and detail.get("write") == "through":
+            return hashlib.blake2b(str(detail["url"]).encode(), digest_size=8).hexdigest()
+    return None
 
 
 class TierChange(BaseModel):

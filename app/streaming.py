@@ -62,6 +62,7 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_tokens: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
+    cached_by_tier: list[dict[str, int]] = field(default_factory=list)
     completion_tokens: int = 0
     text_offsets: dict[int, int] = field(default_factory=dict)
     on_done: Callable[[Job], None] | None = None  # called once the outputs end (the request trace)
@@ -74,6 +75,7 @@ class Job:
     def __post_init__(self) -> None:
         count = len(self.streams)
         self.prompt_tokens, self.cached_tokens, self._finished = [0] * count, [0] * count, [False] * count
+        self.cached_by_tier = [{} for _ in range(count)]
         self.choice_tokens = [0] * self.num_choices
         self.state.completion_id = self.id
 
@@ -99,7 +101,16 @@ class Job:
         prompt = sum(self.prompt_tokens)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
                          total_tokens=prompt + self.completion_tokens,
-                         prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens)))
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens),
+                                                                   cached_tokens_per_tier=self.tier_totals()))
+
+    def tier_totals(self) -> dict[str, int]:
+        """The cached tokens of all prompts, per tier that served them."""
+        totals: dict[str, int] = {}
+        for split in self.cached_by_tier:
+            for name, tokens in split.items():
+                totals[name] = totals.get(name, 0) + tokens
+        return totals
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) pairs as the engine produces them; aborts leftovers on exit."""
@@ -122,6 +133,7 @@ class Job:
     def _account(self, index: int, out: RequestOutput) -> None:
         self.prompt_tokens[index] = out.metrics.prompt_tokens
         self.cached_tokens[index] = out.metrics.cached_tokens
+        self.cached_by_tier[index] = out.metrics.cached_by_tier
         new_tokens = sum(len(delta.token_ids) for delta in out.outputs)
         if new_tokens and self.completion_tokens == 0 and getattr(self.state, "arrival", None):
             self.state.ttft_s = time.perf_counter() - self.state.arrival

@@ -7,7 +7,9 @@ port, two `kvgate serve` replicas with the same config (secret, tenants, the pri
 shared tier, KV events on free ports, a small device pool and host tier so that where a prefix is
 warm matters, a disk tier each), then `kvgate route` over them, then locust (loadtest/locustfile.py,
 the same users, seed and duration for every run). Reported per workload (scenario): requests,
-failures, TTFT p50/p95 and the share of prompt tokens served from the KV cache; per run, from both
+failures, TTFT p50/p95, the share of prompt tokens served from the KV cache and the share served
+from device or host memory (from each response's `usage.prompt_tokens_details.
+cached_tokens_per_tier`, summed by the locustfile); per run, from both
 replicas' /admin/metrics before and after the load, where the cached tokens came from:
 
     hit         = Δ prefix_cache.hit_tokens          (prompt tokens found in any tier)
@@ -135,9 +137,16 @@ def scenarios(folder: Path) -> dict[str, dict[str, Any]]:
 
     report = json.loads((folder / "workloads.json").read_text()) if (folder / "workloads.json").exists() else {}
     rows = workload_rows(read_locust_stats(folder / "locust_stats.csv"), report.get("workloads", {}))
+    def device_host(r: dict[str, Any]) -> float | None:
+        tiers = r.get("tier_tokens") or {}
+        near = tiers.get("device", 0) + tiers.get("host", 0)
+        return near / r["prompt_tokens"] if r["prompt_tokens"] else None
+
     return {name: {"requests": r["requests"], "failures": r["failures"], "ttft_p50_ms": r["ttft_p50_ms"],
                    "ttft_p95_ms": r["ttft_p95_ms"], "prompt_tokens": r["prompt_tokens"],
-                   "cached_tokens": r["cached_tokens"], "cached_share": r["hit_rate"]} for name, r in rows.items()}
+                   "cached_tokens": r["cached_tokens"], "cached_share": r["hit_rate"],
+                   "tier_tokens": r.get("tier_tokens") or {}, "device_host_share": device_host(r)}
+            for name, r in rows.items()}
 
 
 def start_locust(cluster: Cluster, router: Child, args: argparse.Namespace, folder: Path) -> Child:
@@ -248,15 +257,16 @@ def ms(x: float | None) -> str:
 
 def print_tables(result: dict[str, Any]) -> None:
     runs = result["runs"]
-    print("| scenario | policy | requests | failures | prompt tokens cached | TTFT p50 ms | TTFT p95 ms |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| scenario | policy | requests | failures | prompt tokens cached | from device+host "
+          "| TTFT p50 ms | TTFT p95 ms |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     names = [w for w in WORKLOADS if any(w in r["scenarios"] for r in runs.values())]
     for w in names:
         for run_name, r in runs.items():
             s = r["scenarios"].get(w)
             if s:
                 print(f"| {w} | {run_name} | {s['requests']} | {s['failures']} | {pct(s['cached_share'])} "
-                      f"| {ms(s['ttft_p50_ms'])} | {ms(s['ttft_p95_ms'])} |")
+                      f"| {pct(s.get('device_host_share'))} | {ms(s['ttft_p50_ms'])} | {ms(s['ttft_p95_ms'])} |")
     print()
     print("| run | requests | failures | cached | device+host | device | host | disk | Redis "
           "| routed a / b | decisions prefix / load |")
@@ -289,8 +299,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for i, (run_name, r) in enumerate(runs.items()):
         x = [g + (i - (len(runs) - 1) / 2) * width for g in range(len(groups))]
         values = [100 * (r["scenarios"].get(w, {}).get("cached_share") or 0) for w in names]
+        near = [100 * (r["scenarios"].get(w, {}).get("device_host_share") or 0) for w in names]
         bars = hit.bar(x, [*values, 100 * r["tiers"]["device_host_share"]], width, label=run_name,
-                       color=colors.get(run_name))
+                       color=colors.get(run_name), alpha=0.45)
+        hit.bar(x[:-1], near, width, color=colors.get(run_name), label=f"{run_name}: device+host")
         hit.bar_label(bars, fmt="%.0f", fontsize=7)
         p50 = [r["scenarios"].get(w, {}).get("ttft_p50_ms") or 0 for w in names]
         p95 = [r["scenarios"].get(w, {}).get("ttft_p95_ms") or 0 for w in names]
@@ -300,7 +312,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     hit.set_xticks(range(len(groups)), groups, rotation=12)
     hit.set_ylabel("prompt tokens from cache, %")
     hit.set_ylim(0, 105)
-    hit.set_title("Cached share per scenario; device+host share of the run")
+    hit.set_title("Cached (light) and device+host (dark) share per scenario; device+host of the run")
     ttft.set_xticks(range(len(names)), names, rotation=12)
     ttft.set_ylabel("TTFT, ms")
     ttft.set_title("TTFT p50 (bars) and p95 (marks) per scenario")

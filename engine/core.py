@@ -51,6 +51,7 @@ class SeqOutput:
     logprob: TokenLogprob | None
     finish_reason: str | None
     num_cached_tokens: int = 0
+    cached_by_tier: dict[str, int] | None = None  # on a request's first token: its cached tokens per tier
 
 
 @dataclass(slots=True)
@@ -181,6 +182,7 @@ class EngineCore:
             return 0
         t0 = time.perf_counter()
         loaded = self.tiers.promote(seq)
+        seq.lower_blocks += loaded
         timing = self._timing.get(seq.request_id) if seq.index == 0 else None
         if loaded and timing is not None:
             timing.load_s += time.perf_counter() - t0
@@ -202,6 +204,7 @@ class EngineCore:
             self._loaded(request_id, times, now)
             seqs = self._loading.pop(request_id, None)
             for seq in seqs or ():
+                seq.fetched = list(times.by_tier) if times is not None else []
                 seq.status = SequenceStatus.WAITING
                 self.scheduler.add(seq)
             admitted += bool(seqs)
@@ -398,10 +401,12 @@ class EngineCore:
 
     def _append(self, s: ScheduledSeq, token_id: int, logprob: TokenLogprob | None) -> SeqOutput:
         seq = s.seq
+        by_tier = None
         if not seq.output_token_ids:
             self.counters.reused_tokens += seq.num_cached_tokens
             if seq.index == 0:
                 self.counters.cached_prompt_tokens += seq.num_cached_tokens
+                by_tier = self.tiers.served_by_tier(seq)
         seq.append_token(token_id)
         self.counters.generated_tokens += 1
         params = seq.params
@@ -415,7 +420,7 @@ class EngineCore:
         if reason is not None:
             self._drop(seq, reason)
             self._maybe_retire(seq.request_id)
-        return SeqOutput(seq.request_id, seq.index, token_id, logprob, reason, max(seq.num_cached_tokens, 0))
+        return SeqOutput(seq.request_id, seq.index, token_id, logprob, reason, max(seq.num_cached_tokens, 0), by_tier)
 
     # ---- accounting -------------------------------------------------------------------------
     @property

@@ -58,6 +58,7 @@ class RequestMetrics:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)  # of cached_tokens, per tier that served them
     completion_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None

@@ -125,6 +125,8 @@ class RequestStreams:
                 metrics.first_token_time = now
             if out.index == 0 and choice.num_tokens == 0:  # siblings hit choice 0's prompt blocks
                 metrics.cached_tokens = out.num_cached_tokens
+                if out.cached_by_tier is not None:
+                    metrics.cached_by_tier = out.cached_by_tier
             choice.num_tokens += 1
             metrics.completion_tokens += 1
             metrics.token_times.append(now)

@@ -45,6 +45,8 @@ class Sequence:
     num_preemptions: int = 0
     tenant: str = ""
     switch: tuple[int, BlockHash] | None = None  # a public prefix's length in blocks, and the tenant's root
+    lower_blocks: int = 0  # blocks brought up from the tiers below the device for it while it waited
+    fetched: list[tuple[str, int]] = field(default_factory=list)  # of those, what its prefetch read, per tier
 
     def __post_init__(self) -> None:
         if not self.token_ids:

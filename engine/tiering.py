@@ -130,6 +130,11 @@ class Tiering:
         """Bring the continuation of ``seq``'s cached prefix up into device blocks; how many."""
         return self.manager.promote(seq.block_hashes, seq.num_tokens, self._load_block, seq.tenant, seq.public_blocks)
 
+    def served_by_tier(self, seq: Sequence) -> dict[str, int]:
+        """Of ``seq``'s cached prompt tokens, how many each tier served (tiers that served none left out)."""
+        memory = self.chain.memory.name if self.chain is not None and self.chain.memory is not None else None
+        return split_by_tier(max(seq.num_cached_tokens, 0), self.block_size, seq.lower_blocks, seq.fetched, memory)
+
     def _load_block(self, block_hash: bytes, block_id: int) -> bool:
         assert self.chain is not None
         block = self.manager.pool.blocks[block_id]
@@ -270,6 +275,34 @@ class Tiering:
                         time.monotonic() - t0, len(chain.store),
                         "" if drained else f"; {chain.pending_writes} writes still in flight were abandoned")
         chain.close()
+
+
+def split_by_tier(cached_tokens: int, block_size: int, lower_blocks: int, fetched: list[tuple[str, int]],
+                  memory: str | None) -> dict[str, int]:
+    """A cached prefix of ``cached_tokens``, by the tier each part came from, in prefix order: the
+    device's own blocks, then the ``lower_blocks`` brought up from below, of which the last ones
+    are what a prefetch read (``fetched``: per tier, top down) and the rest were in host memory
+    (``memory``). Blocks read but not part of the prefix are taken off the deepest tier first;
+    tiers that served nothing are left out."""
+    blocks = -(-cached_tokens // block_size)
+    lower = min(lower_blocks, blocks)
+    parts: list[tuple[str, int]] = [("device", blocks - lower)]
+    read: list[tuple[str, int]] = []
+    left = lower
+    for name, count in reversed(fetched):  # deepest first: a prefix ends in the deepest tier it reached
+        take = min(count, left)
+        read.append((name, take))
+        left -= take
+    parts.append((memory or (fetched[0][0] if fetched else "device"), left))
+    parts.extend(reversed(read))
+    split: dict[str, int] = {}
+    tokens = cached_tokens
+    for name, count in parts:
+        served = min(count * block_size, tokens)
+        tokens -= served
+        if served:
+            split[name] = split.get(name, 0) + served
+    return split
 
 
 def _summary(tier: Any) -> str:

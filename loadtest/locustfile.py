@@ -14,8 +14,9 @@ Four user classes hit the OpenAI API with streaming requests (`stream: true` and
 Each request is reported twice in locust's statistics: as `POST <workload>` with the time until
 the stream ended, and as `TTFT <workload>` with the time until the first generated token (the
 chat role chunk, sent before any token is computed, does not count). The prompt and cached token
-counts from `usage.prompt_tokens_details.cached_tokens` are summed per workload; at the end the
-hit rates are printed and, with `--kv-report FILE`, written as JSON.
+counts from `usage.prompt_tokens_details` (`cached_tokens`, and KVGate's `cached_tokens_per_tier`)
+are summed per workload; at the end the hit rates are printed and, with `--kv-report FILE`,
+written as JSON.
 
 Every `--kv-*` option also reads an environment variable (`KVGATE_KEYS`, `KVGATE_MODEL`, ...).
 locust's own `--help` cannot list them (it is printed before this file loads):
@@ -33,7 +34,7 @@ import logging
 import random
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -175,12 +176,15 @@ class Tally:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # cached tokens per tier that served them
 
     def add(self, other: Tally) -> None:
         self.requests += other.requests
         self.prompt_tokens += other.prompt_tokens
         self.cached_tokens += other.cached_tokens
         self.completion_tokens += other.completion_tokens
+        for tier, tokens in other.tier_tokens.items():
+            self.tier_tokens[tier] = self.tier_tokens.get(tier, 0) + tokens
 
     @property
     def hit_rate(self) -> float | None:
@@ -192,8 +196,10 @@ TALLIES: dict[str, Tally] = defaultdict(Tally)
 
 def record_usage(workload: str, usage: dict[str, Any]) -> None:
     details = usage.get("prompt_tokens_details") or {}
+    tiers = details.get("cached_tokens_per_tier") or {}
     TALLIES[workload].add(Tally(1, int(usage.get("prompt_tokens", 0)), int(details.get("cached_tokens") or 0),
-                                int(usage.get("completion_tokens", 0))))
+                                int(usage.get("completion_tokens", 0)),
+                                {str(k): int(v) for k, v in tiers.items() if isinstance(v, int)}))
 
 
 def tally_report() -> dict[str, Any]:

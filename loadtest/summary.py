@@ -104,6 +104,7 @@ def workload_rows(stats: list[dict[str, str]], tallies: dict[str, Any]) -> dict[
             "prompt_tokens": tally.get("prompt_tokens", 0),
             "cached_tokens": tally.get("cached_tokens", 0),
             "hit_rate": tally.get("hit_rate"),
+            "tier_tokens": tally.get("tier_tokens") or {},
         }
     return rows
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -25,7 +25,7 @@ from app.errors import APIError
 from app.prompts import PromptPool
 from app.protocol import ChatCompletionRequest
 from app.public_prefixes import PrefixSpec, PublicPrefixStore
-from app.router.index import Estimate, estimate
+from app.router.index import Estimate, ReplicaIndex, estimate
 from app.router.replicas import Replica, Replicas
 from app.settings import Settings
 from cache.hashing import extend_block_hashes, prompt_roots
@@ -121,8 +121,16 @@ class Router:
                 hashes_by_fp[(fp, block_size)] = hashes
             n = len(ids) if ids is not None else 0
             out.append(estimate(i, replica.index, hashes, n, block_size, replica.outstanding, replica.in_flight,
-                                self.load_weight))
+                                self.load_weight, self._peers(replica)))
         return out
+
+    def _peers(self, replica: Replica) -> list[ReplicaIndex]:
+        """The indexes of the replicas writing through to the shared store ``replica`` reads
+        (itself included; none where it has no such store)."""
+        store = (replica.info or {}).get("shared_store")
+        if not store:
+            return []
+        return [r.index for r in self.replicas.replicas if (r.info or {}).get("shared_store") == store]
 
     def _hashes(self, ids: list[int], tenant: Tenant, cache_salt: str | None, fp_hex: str,
                 block_size: int) -> list[bytes]:
@@ -132,8 +140,10 @@ class Router:
         return extend_block_hashes([], root, ids, block_size, switch)
 
     # ---- relaying ---------------------------------------------------------------------------------
-    async def relay(self, request: Request, body: bytes, order: list[Estimate], cost: int) -> Response:
-        """Send the request to the first replica of ``order`` that takes it."""
+    async def relay(self, request: Request, body: bytes, order: list[Estimate], prompt_cost: int = 0,
+                    generate_cost: int = 0) -> Response:
+        """Send the request to the first replica of ``order`` that takes it; ``prompt_cost``: its
+        prompt tokens to compute there, ``generate_cost`` the tokens it may generate (its load)."""
         for attempt, choice in enumerate(order):
             replica = self.replicas.replicas[choice.replica]
             upstream = self.client.build_request(request.method, replica.url + request.url.path,
@@ -153,10 +163,10 @@ class Router:
                 self.decisions["retried"] += 1
                 continue
             replica.routed += 1
-            replica.in_flight += 1
-            replica.outstanding += cost
-            done = _once(_finish, replica, cost)
-            return StreamingResponse(self._stream(response, done), status_code=response.status_code,
+            load = _Load(replica, prompt_cost, generate_cost)
+            # a chat stream's first event (the role) comes before the prompt is computed
+            first_answer = 2 if request.url.path.endswith("/chat/completions") else 1
+            return StreamingResponse(self._stream(response, load, first_answer), status_code=response.status_code,
                                      headers=_headers(response.headers),
                                      media_type=response.headers.get("content-type"))
         raise NoReplicaError("No replica could take the request (all are down or refused it); retry shortly.",
@@ -229,10 +239,17 @@ class Router:
         merged["replicas"] = len(answers)
         return JSONResponse(merged)
 
-    async def _stream(self, response: httpx.Response, done: Callable[[], None]) -> AsyncIterator[bytes]:
+    async def _stream(self, response: httpx.Response, load: _Load, first_answer: int) -> AsyncIterator[bytes]:
+        """Relay ``response``; the prompt part of ``load`` ends with the ``first_answer``-th event of
+        a stream (any byte of another answer)."""
         sse = response.headers.get("content-type", "").startswith("text/event-stream")
+        events = 0
         try:
             async for chunk in response.aiter_raw():
+                if load.prompt:
+                    events += chunk.count(b"data:") if sse else 1
+                    if events >= (first_answer if sse else 1):
+                        load.answered()
                 yield chunk
         except httpx.TransportError as exc:
             logger.warning("router: a replica broke off a response (%s)", type(exc).__name__)
@@ -241,7 +258,7 @@ class Router:
                                    "type": "service_unavailable", "param": None, "code": "replica_lost"}}
                 yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
         finally:
-            done()
+            load.end()
             await response.aclose()
 
     async def close(self) -> None:
@@ -268,13 +285,23 @@ def _finish(replica: Replica, cost: int) -> None:
     replica.outstanding -= cost
 
 
-def _once(fn: Callable[[Replica, int], None], replica: Replica, cost: int) -> Callable[[], None]:
-    """``fn(replica, cost)``, run by the first call only (a stream's end and its cancellation)."""
-    called = False
+class _Load:
+    """One relayed request's part in its replica's load (``outstanding``): its prompt tokens still
+    to compute until the first byte of the answer comes back, its tokens to generate until the
+    answer ends (or is cancelled)."""
 
-    def run() -> None:
-        nonlocal called
-        if not called:
-            called = True
-            fn(replica, cost)
-    return run
+    def __init__(self, replica: Replica, prompt: int, generate: int) -> None:
+        self.replica, self.prompt, self.generate = replica, prompt, generate
+        self.ended = False
+        replica.in_flight += 1
+        replica.outstanding += prompt + generate
+
+    def answered(self) -> None:
+        self.replica.outstanding -= self.prompt
+        self.prompt = 0
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.replica.outstanding -= self.prompt + self.generate
+            self.replica.in_flight -= 1

@@ -64,7 +64,7 @@ async def admin_router(request: Request) -> dict[str, Any]:
 async def models(request: Request, tenant: CurrentTenant) -> Response:
     router = _router(request)
     order = sorted(router.estimates(None, tenant, None, 0), key=lambda e: (e.in_flight, e.replica))
-    return await router.relay(request, b"", order, 0)
+    return await router.relay(request, b"", order)
 
 
 @routes.delete("/v1/cache")
@@ -92,7 +92,7 @@ async def cache_op(op: str, request: Request) -> Response:
     if tenant is None or not isinstance(body, dict):  # the replica says what is wrong
         order = sorted(router.estimates(None, router.registry.anonymous, None, 0),
                        key=lambda e: (e.in_flight, e.replica))
-        return await router.relay(request, raw, order, 0)
+        return await router.relay(request, raw, order)
     return await _route(router, request, raw, body, tenant)
 
 
@@ -144,8 +144,7 @@ async def _route(router: Router, request: Request, raw: bytes, body: dict[str, A
         router.decisions["load"] += 1
     router.predicted_cached_tokens += int(best.cached_tokens)
     order = [best, *sorted((e for e in estimates if e is not best), key=lambda e: e.cost)]
-    cost = (len(ids) if ids else 0) - int(best.cached_tokens) + max_tokens
-    return await router.relay(request, raw, order, cost)
+    return await router.relay(request, raw, order, (len(ids) if ids else 0) - int(best.cached_tokens), max_tokens)
 
 
 def create_router_app(settings: Settings, replicas: Replicas, tokenizer: Any, load_weight: float = 1.0,

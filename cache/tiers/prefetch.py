@@ -155,10 +155,14 @@ class PrefetchPath(WritePath):
             shared = [self._reads[k] for k in waits if k in self._reads]
             done = await asyncio.gather(*(self._settle_reads(store, reads, t0) for store, reads in own), *shared,
                                         return_exceptions=True)
-            times.blocks = sum(n for n in done[: len(own)] if isinstance(n, int))
+            read = {store.name: n for (store, _), n in zip(own, done[: len(own)], strict=True) if isinstance(n, int)}
+            times.blocks = sum(read.values())
+            times.by_tier = [(store.name, read[store.name]) for store in self.stores if read.get(store.name)]
             if remote_keys and remote is not None:
                 await self._remote_fetch(remote, remote_keys, remote_slots, block_tokens, prefill_tokens_per_s,
                                          times, delivered)
+                if delivered:
+                    times.by_tier.append((remote.name, len(delivered)))
             times.io_s = time.perf_counter() - t0
         except Exception:  # never leave a waiter hanging
             logger.exception("cache prefetch failed")

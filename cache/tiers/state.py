@@ -9,7 +9,7 @@ import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cache.telemetry import OpTimes
@@ -53,6 +53,7 @@ class JobTimes:
     io_s: float = 0.0
     exists_s: float = 0.0
     blocks: int = 0  # blocks this job's own reads delivered
+    by_tier: list[tuple[str, int]] = field(default_factory=list)  # of those and the shared tier's, per tier, top down
 
 
 

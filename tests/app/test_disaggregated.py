@@ -6,6 +6,7 @@ Disaggregated-Pipeline."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 
@@ -97,6 +98,10 @@ def test_prefill_there_decode_here_same_tokens(pipeline, start_app, redis_server
     assert after["computed_tokens"] - before["computed_tokens"] <= 10 + 12
     shipped = httpx.get(prefill.url + "/admin/replica", headers=ADMIN, timeout=10).json()
     assert shipped["role"] == "prefill" and shipped["shipped"]["prompts"] >= 1 and shipped["shipped"]["late"] == 0
+    # both write through to one store: the router counts a prefix one announced for the other too
+    other = httpx.get(decode.url + "/admin/replica", headers=ADMIN, timeout=10).json()
+    assert shipped["shared_store"] and other["shared_store"] == shipped["shared_store"]
+    assert redis_server.url not in json.dumps(shipped)  # an id of the store, not its address
     decisions = httpx.get(router.url + "/admin/router", headers=ADMIN, timeout=10).json()["decisions"]
     assert decisions["disaggregated"] >= 1 and decisions["prefill_failed"] == 0
 

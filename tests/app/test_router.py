@@ -158,6 +158,7 @@ def test_a_prompt_comes_back_to_the_replica_that_cached_it(cluster) -> None:
     assert after["decisions"]["prefix"] - before["decisions"]["prefix"] == 4
     assert all(r["healthy"] and r["event_batches"] > 0 for r in after["replicas"])
     assert all(r["routed"] >= 1 for r in after["replicas"])  # the cold prompts were spread
+    assert all(r["outstanding_tokens"] == 0 and r["in_flight"] == 0 for r in after["replicas"])
 
 
 def test_a_tenant_is_matched_only_against_its_own_blocks(cluster) -> None:

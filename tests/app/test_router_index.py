@@ -1,6 +1,7 @@
 """The router's index and score, from tables: a prefix held in memory beats one on disk beats
-none, load weighs against it by the one knob, ties share the load, and the event feed applies
-batches in order and clears (never guesses) when a gap cannot be filled."""
+one in a shared store beats none, load weighs against it by the one knob, ties share the load, a
+request's prompt leaves the load with its first answer byte, and the event feed applies batches
+in order and clears (never guesses) when a gap cannot be filled."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import msgpack
 import pytest
 
 from app.router.index import ReplicaIndex, choose, estimate
+from app.router.relay import _Load
 from app.router.replicas import EventFeed, Replica
 
 pytestmark = pytest.mark.unit
@@ -50,6 +52,33 @@ def test_the_prefix_wins_until_the_load_outweighs_it() -> None:
         estimates = [estimate(0, warm, PROMPT, 170, 16, outstanding, 1, load_weight),
                      estimate(1, cold, PROMPT, 170, 16, 0, 0, load_weight)]
         assert choose(estimates).replica == winner, (load_weight, outstanding)
+
+
+def test_a_prefix_another_replica_wrote_to_the_shared_store_counts_less_than_a_local_one() -> None:
+    warm, cold = index(GPU=range(10)), index(DISK=range(2))
+    peers = [warm, cold]  # both write through to the same store
+    near = estimate(0, warm, PROMPT, 170, 16, 0, 0, 1.0, peers)
+    far = estimate(1, cold, PROMPT, 170, 16, 0, 0, 1.0, peers)
+    assert near.cached_tokens == 160
+    assert far.cached_tokens == pytest.approx(0.9 * 32 + 0.85 * 128) and far.shared_blocks == 10
+    assert estimate(1, cold, PROMPT, 170, 16, 0, 0, 1.0).cached_tokens == pytest.approx(0.9 * 32)  # no store
+    # the gap is 0.15 of the prompt: a little load on the warm replica already sends it to the other
+    assert choose([estimate(0, warm, PROMPT, 170, 16, 20, 1, 1.0, peers), far]).replica == 0
+    assert choose([estimate(0, warm, PROMPT, 170, 16, 40, 1, 1.0, peers), far]).replica == 1
+
+
+def test_a_request_weighs_its_prompt_until_answered_and_its_output_until_the_end() -> None:
+    replica = Replica("http://r")
+    load = _Load(replica, prompt=300, generate=64)
+    assert (replica.outstanding, replica.in_flight) == (364, 1)
+    load.answered()
+    assert replica.outstanding == 64
+    load.end()
+    load.end()  # the stream's end and its cancellation both call it
+    assert (replica.outstanding, replica.in_flight) == (0, 0)
+    unanswered = _Load(replica, prompt=300, generate=64)
+    unanswered.end()
+    assert (replica.outstanding, replica.in_flight) == (0, 0)
 
 
 def test_ties_go_to_fewer_in_flight_then_in_turn() -> None:

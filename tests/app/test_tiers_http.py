@@ -1,5 +1,6 @@
 """Tiers seen from outside: a prefix evicted from the device pool is a host hit, and a prefix
-survives a server restart on the disk tier; `cached_tokens` says so and the text is unchanged."""
+survives a server restart on the disk tier; `cached_tokens` says so, `cached_tokens_per_tier` says
+which tier served them, and the text is unchanged."""
 
 from __future__ import annotations
 
@@ -29,11 +30,18 @@ def _ids(seed: int, n: int) -> list[int]:
 
 
 def _complete(url: str, ids: list[int], max_tokens: int = 8) -> tuple[str, int]:
+    text, details = _complete_details(url, ids, max_tokens)
+    return text, details["cached_tokens"]
+
+
+def _complete_details(url: str, ids: list[int], max_tokens: int = 8) -> tuple[str, dict]:
     body = {"model": "tiny", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     response = httpx.post(url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     data = response.json()
-    return data["choices"][0]["text"], data["usage"]["prompt_tokens_details"]["cached_tokens"]
+    details = data["usage"]["prompt_tokens_details"]
+    assert sum(details["cached_tokens_per_tier"].values()) == details["cached_tokens"]
+    return data["choices"][0]["text"], details
 
 
 def _tiers(url: str) -> dict:
@@ -47,11 +55,14 @@ def test_a_prefix_pushed_off_the_device_is_served_from_host(start_app) -> None:
     assert cached == 0
     for seed in (2, 3):  # two other long prompts take the whole pool
         _complete(server.url, _ids(seed, 600), max_tokens=1)
-    warm, cached = _complete(server.url, prompt)
+    warm, details = _complete_details(server.url, prompt)
     assert warm == cold
-    assert cached == 496
+    assert details == {"cached_tokens": 496, "cached_tokens_per_tier": {"host": 496}}
     tiers = _tiers(server.url)
     assert tiers["host"]["hits"] >= 31 and "disk" not in tiers
+    again, details = _complete_details(server.url, prompt)  # now back on the device
+    assert again == cold
+    assert details == {"cached_tokens": 496, "cached_tokens_per_tier": {"device": 496}}
 
 
 def test_a_prefix_survives_a_restart_on_the_disk_tier(start_server, start_app, tmp_path) -> None:
@@ -63,9 +74,9 @@ def test_a_prefix_survives_a_restart_on_the_disk_tier(start_server, start_app, t
     assert first.stop() == 0  # SIGTERM: the engine writes its cached blocks to disk
     assert "cache tiers flushed" in first.log()
     second = start_app("--model", "tiny", "--disk-cache", folder)  # the restart: what the folder holds
-    warm, cached = _complete(second.url, prompt)
+    warm, details = _complete_details(second.url, prompt)
     assert warm == cold
-    assert cached == 288  # 18 full blocks of 16
+    assert details == {"cached_tokens": 288, "cached_tokens_per_tier": {"disk": 288}}  # 18 full blocks of 16
     disk = _tiers(second.url)["disk"]
     assert disk["hits"] >= 18 and disk["path"].startswith(folder)
 
@@ -80,9 +91,9 @@ def test_two_servers_on_one_redis_share_a_prefix(start_app, redis_url) -> None:
         if _tiers(one.url)["remote"]["puts"] >= 18 and _tiers(one.url)["chain"]["pending_writes"] == 0:
             break
         time.sleep(0.05)
-    warm, cached = _complete(two.url, prompt)
+    warm, details = _complete_details(two.url, prompt)
     assert warm == cold
-    assert cached == 288
+    assert details == {"cached_tokens": 288, "cached_tokens_per_tier": {"remote": 288}}
     remote = _tiers(two.url)["remote"]
     assert remote["hits"] >= 18 and remote["breaker"] == "closed"
     assert "secret" not in remote["url"]

@@ -13,7 +13,8 @@ import pytest
 
 from bench import router_bench
 
-SCENARIO = {"requests", "failures", "ttft_p50_ms", "ttft_p95_ms", "prompt_tokens", "cached_tokens", "cached_share"}
+SCENARIO = {"requests", "failures", "ttft_p50_ms", "ttft_p95_ms", "prompt_tokens", "cached_tokens", "cached_share",
+            "tier_tokens", "device_host_share"}
 TIERS = {"query_tokens", "hit_tokens", "device_tokens", "host_tokens", "disk_tokens", "remote_tokens", "hit_share",
          "device_host_share", "device_share", "host_share", "disk_share", "remote_share"}
 
@@ -45,6 +46,10 @@ def test_both_policies_report_every_figure(tiny_model_dir: Path, tmp_path: Path,
         assert set(run["scenarios"]) == {"multi-turn", "document-qa"}, name
         for scenario in run["scenarios"].values():
             assert set(scenario) == SCENARIO and scenario["requests"] > 0 and scenario["failures"] == 0
+            # every cached token is attributed to the tier that served it
+            assert sum(scenario["tier_tokens"].values()) == scenario["cached_tokens"]
+            near = scenario["tier_tokens"].get("device", 0) + scenario["tier_tokens"].get("host", 0)
+            assert scenario["device_host_share"] == pytest.approx(near / scenario["prompt_tokens"])
         assert set(run["tiers"]) == TIERS
         tiers = run["tiers"]
         assert tiers["query_tokens"] > 0 and 0 < tiers["hit_share"] <= 1
