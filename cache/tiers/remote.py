@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 # the I/O loop without a break, so a whole prompt's write-through in one pipeline would hold
 # every lookup and load behind it (docs/tiers.md, "Figures behind the code").
 WRITE_PIPELINE_BYTES = 4 << 20
+READ_PIPELINE_BYTES = 8 << 20  # a load of many blocks: pipelines of about this much, one after the other
 
 WRITE_MODES = ("through", "back", "selective")
 
@@ -243,18 +244,16 @@ class RemoteTier:
             except Exception as exc:  # runs inside the reply reader: it must not raise
                 return exc if isinstance(exc, CorruptBlockError) else CorruptBlockError(f"unreadable record ({exc})")
 
-        if self._gets is not None:  # values received in place (resp.py); redis-py for the rest
-            gets = self._gets
-            head = SEAL_SIZE + HEADER_SIZE
-            result = await self._guarded(lambda: gets.get([self.key(k) for k in keys], dests, head, verify))
-        else:
-            result = await self._run(lambda pipe: [pipe.get(self.key(k)) for k in keys])
-            if result is not None:
-                result = [verify(i, data) for i, data in enumerate(result)]
+        result: list[Any] = []
+        per = max(1, READ_PIPELINE_BYTES // largest)  # each pipeline under the timeout on its own
+        for start in range(0, len(keys), per):
+            part = await self._get_pipeline(keys[start:start + per], dests[start:start + per],
+                                            lambda i, data, start=start: verify(start + i, data))
+            if part is None:  # failed (counted): the blocks after it continue no prefix
+                result.extend([None] * (len(keys) - start))
+                break
+            result.extend(part)
         elapsed = time.perf_counter() - t0
-        if result is None:
-            self.stats.misses += len(keys)
-            return [None] * len(keys)
         out: list[memoryview | None] = []
         bad: list[bytes] = []
         unauthentic = 0
@@ -300,6 +299,16 @@ class RemoteTier:
         if bad:
             await self._run(lambda pipe: [pipe.delete(self.key(k)) for k in bad])
         return out
+
+    async def _get_pipeline(self, keys: Sequence[bytes], dests: Sequence[memoryview | None],
+                            verify: Any) -> list[Any] | None:
+        """One pipeline of GETs, each reply through ``verify(i, reply)``; None if it failed."""
+        if self._gets is not None:  # values received in place (resp.py); redis-py for the rest
+            gets = self._gets
+            head = SEAL_SIZE + HEADER_SIZE
+            return await self._guarded(lambda: gets.get([self.key(k) for k in keys], dests, head, verify))
+        result = await self._run(lambda pipe: [pipe.get(self.key(k)) for k in keys])
+        return None if result is None else [verify(i, data) for i, data in enumerate(result)]
 
     def set_account(self, owner: str, tag: str, limit: int | None) -> None:
         """Account ``owner``'s writes in Redis under ``tag`` (opaque: Redis never sees a tenant's

@@ -262,3 +262,40 @@ def test_a_write_the_store_refuses_is_dropped_and_counted_not_raised(redis_url, 
         with redis_server.client() as client:
             client.config_set("maxmemory", "0")
             client.delete(*(f"kvgate:{FMT.fingerprint.hex()}:{key(i).hex()}" for i in (40, 41)))
+
+
+def test_a_large_load_goes_out_in_pipelines_each_under_the_timeout(redis_url, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole document's blocks in one GET pipeline shared one timeout: on a busy machine it ran
+    out and the whole prefix was recomputed. Each pipeline now carries at most READ_PIPELINE_BYTES
+    under its own timeout; one that fails ends the prefix there (the blocks after it continue
+    nothing) and keeps what came before."""
+    import cache.tiers.remote as remote_module
+
+    monkeypatch.setattr(remote_module, "READ_PIPELINE_BYTES", 3 * (SEAL_SIZE + FMT.record_size))
+    sizes: list[int] = []
+
+    async def main() -> list:
+        tier = RemoteTier(redis_url, FMT, mac_key=MAC_KEY)
+        assert tier._gets is not None
+        real_get = tier._gets.get
+
+        async def counting_get(keys, dests, head, verify):  # type: ignore[no-untyped-def]
+            sizes.append(len(keys))
+            if len(sizes) == 3:  # the third pipeline fails, as a timeout would
+                raise TimeoutError("frozen")
+            return await real_get(keys, dests, head, verify)
+
+        tier._gets.get = counting_get  # type: ignore[method-assign]
+        try:
+            items = [(key(i), bytes([i]) * len(PAYLOAD)) for i in range(10)]
+            assert await tier.put(items) == 10
+            got = await tier.get([k for k, _ in items])
+            assert tier.stats.errors == 1 and tier.stats.hits == 6 and tier.stats.misses == 4
+            await tier.delete([k for k, _ in items])
+            return got
+        finally:
+            await tier.close()
+
+    got = run(main())
+    assert sizes == [3, 3, 3]
+    assert got == [bytes([i]) * len(PAYLOAD) for i in range(6)] + [None] * 4

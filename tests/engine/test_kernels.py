@@ -523,3 +523,15 @@ def test_the_last_layer_computes_only_the_sampled_rows(tiny_model_dir) -> None:
     runner.execute([list(range(80, 110))], [0], [[8, 9]], [])
     torch.testing.assert_close(storage.keys(last)[8:10], trimmed_kv[0], rtol=0, atol=0)
     torch.testing.assert_close(storage.values(last)[8:10], trimmed_kv[1], rtol=0, atol=0)
+
+
+@needs_kernel
+def test_the_calibration_ops_measure_positive_rates_and_refuse_bad_input() -> None:
+    assert ops is not None
+    assert ops.fma_peak(100_000) > 0.1  # GFLOP/s: any CPU that builds the kernels does far more
+    assert ops.read_bandwidth(torch.ones(1 << 20), 2) > 0.01  # GB/s
+    assert ops.bf16_dot_peak(10_000) >= 0.0  # 0 where the CPU has no bfloat16 dot product
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        ops.read_bandwidth(torch.ones(1 << 10, dtype=torch.float64), 1)
+    with pytest.raises(RuntimeError, match="iters must be positive"):
+        ops.fma_peak(0)
