@@ -12,7 +12,8 @@ chunks, as fractions of what this machine can do, all measured in one run.
              `vdpbf16ps` rate where the CPU has it: two products per lane per instruction)
 
 Backends, each holding its own copy of the same random weights: ``panel`` (KVGate's kernel,
-engine/csrc/panel_gemm.cpp, what the engine runs in float32), ``onednn`` (the blocked layout
+engine/csrc/panel_gemm.cpp, what the engine runs in float32; in bfloat16 panel_gemm_bf16.cpp, on
+CPUs with AVX512-BF16), ``onednn`` (the blocked layout
 torch's mkldnn linear multiplies, engine/packing.py's fallback) and ``mkl`` (``F.linear`` on the
 plain weight). The shapes default to SmolLM2-135M (the default model); ``--dtype bfloat16`` runs
 the backends that take bfloat16 weights. Times are medians of ``--repeats`` after a warm-up.
@@ -129,7 +130,8 @@ def build(backend: str, tensors: list[dict[str, torch.Tensor]], head: torch.Tens
                       for t in tensors]
     head_module = packed(head) if head is not None else None
     if backend == "panel":
-        use_panel_kernel(modules, ops.panel_linear, ops.pack_panels, ops.gated_panel_linear)
+        bf16 = (ops.panel_linear_bf16, ops.pack_panels_bf16, ops.gated_panel_linear_bf16) if ops.bf16_panels else None
+        use_panel_kernel(modules, ops.panel_linear, ops.pack_panels, ops.gated_panel_linear, bf16)
 
     def mlp_in(module: PackedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
         def run(x: torch.Tensor) -> torch.Tensor:
@@ -225,10 +227,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     ops = kernels.load()
-    backends = [b for b in args.backend_list if not (b == "panel" and (ops is None or dtype != torch.float32))]
+    panels = ops is not None and (dtype == torch.float32 or ops.bf16_panels)
+    backends = [b for b in args.backend_list if b != "panel" or panels]
     skipped = sorted(set(args.backend_list) - set(backends))
     if skipped:
-        say(f"skipping {', '.join(skipped)}: the panel kernel takes float32 only and needs the native kernels")
+        say(f"skipping {', '.join(skipped)}: no native kernels here, or no AVX512-BF16 for bfloat16 panels")
     say("measuring the FMA peak and the memory read rate ...")
     peaks = measure_peaks(ops)
     say(f"FMA peak {peaks['fma_gflop_s']:.0f} GFLOP/s (bf16 dot {peaks['bf16_dot_gflop_s']:.0f}), "

@@ -133,12 +133,13 @@ class EngineCore:
                                             "num_blocks": config.num_blocks, "block_size": config.block_size})
 
     def _native_ops(self, config: EngineConfig) -> tuple[Any, Any]:
-        """The native CPU ops where they apply (CPU, float32) and this machine has a build; else,
+        """The native CPU ops where they apply (CPU, float32 or bfloat16) and this machine has a build; else,
         where one can be made, None and the `engine.kernels.KernelBuild` compiling it in the
         background, which the step loop switches in once done (engine/loop.py)."""
         from engine.model import resolve_device
 
-        if not config.native_kernels or config.dtype != "float32" or resolve_device(config.device).type != "cpu":
+        if not config.native_kernels or config.dtype not in ("float32", "bfloat16") \
+                or resolve_device(config.device).type != "cpu":
             return None, None
         from engine import kernels
 

@@ -12,8 +12,9 @@ attention. `FastDecoder` runs the same arithmetic as one short loop per layer:
     x, residual = add_rms_norm(h, residual)
     h           = down(silu_mul(gate_up(x)))       # SiLU in the matmul's epilogue (packing.py)
 
-With the native CPU ops (engine.kernels, float32) each fused step is one op; without them (no
-compiler, CUDA, bfloat16) the same steps run as the PyTorch ops transformers' modules use.
+With the native CPU ops (engine.kernels, float32 or bfloat16, the latter rounding where
+transformers' bfloat16 modules round) each fused step is one op; without them (no compiler,
+CUDA, float16) the same steps run as the PyTorch ops transformers' modules use.
 Rotary cos/sin come from the model's own rotary module (so every RoPE scaling type transformers
 knows stays right). `FastDecoder.unsupported` says why a model cannot take this path (another
 architecture, an activation other than SiLU, q/k norms); the runner then keeps transformers'
@@ -131,8 +132,8 @@ class FastDecoder:
         self.layers = [self._layer(i, layer) for i, layer in enumerate(decoder.layers)]
 
     def use_native(self, native: NativeOps | None) -> None:
-        """Run the fused steps on ``native`` (CPU float32 models only), or on PyTorch's ops (None)."""
-        usable = self.final_norm.dtype == torch.float32 and self.final_norm.device.type == "cpu"
+        """Run the fused steps on ``native`` (CPU float32 and bfloat16 models), or on PyTorch's ops (None)."""
+        usable = self.final_norm.dtype in (torch.float32, torch.bfloat16) and self.final_norm.device.type == "cpu"
         self.native = native if usable else None
 
     def modules(self) -> list[nn.Module]:

@@ -29,8 +29,10 @@ def first_mismatch(ops: Any) -> str | None:
 
     for name, check in (("silu_mul", _silu_mul), ("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm),
                         ("panel_linear", _panel_linear), ("gated_panel_linear", _gated_panel_linear),
+                        ("panel_linear_bf16", _panel_linear_bf16), ("fused ops bfloat16", _fused_bf16),
                         ("rope_write_kv", _rope_write_kv),
-                        ("paged_attention", _paged_attention), ("chunk_attention", _chunk_attention)):
+                        ("paged_attention", _paged_attention), ("paged_attention bfloat16", _paged_attention_bf16),
+                        ("chunk_attention", _chunk_attention)):
         try:
             with torch.inference_mode():
                 check(ops, rand)
@@ -77,6 +79,55 @@ def _gated_panel_linear(ops: Any, rand: Any) -> None:
     full = F.linear(x, weight, bias)
     _close(ops.gated_panel_linear(x, panels, bias, 21, False), full)
     _close(ops.gated_panel_linear(x, panels, bias, 21, True), F.silu(full[:, :21]) * full[:, 21:])
+
+
+def _panel_linear_bf16(ops: Any, rand: Any) -> None:
+    """The bfloat16 panels (where the build has them): float32 sums rounded once, as F.linear in
+    bfloat16 rounds; a gated layer's SiLU(gate) * up rounded as transformers' modules round it."""
+    if not ops.bf16_panels:
+        return
+    x, weight, bias = rand(19, 24).bfloat16(), rand(37, 24).bfloat16(), rand(37).bfloat16()
+    panels = ops.pack_panels_bf16(weight)
+    torch.testing.assert_close(ops.panel_linear_bf16(x, panels, bias, 37), F.linear(x, weight, bias),
+                               rtol=1e-2, atol=1e-2)
+    gated = rand(42, 24).bfloat16()
+    full = F.linear(x, gated)
+    torch.testing.assert_close(ops.gated_panel_linear_bf16(x, ops.pack_panels_bf16(gated, True), None, 21, True),
+                               F.silu(full[:, :21]) * full[:, 21:], rtol=2e-2, atol=2e-2)
+
+
+def _fused_bf16(ops: Any, rand: Any) -> None:
+    """The fused steps in bfloat16 against the PyTorch ops on bfloat16 tensors (what
+    engine.fast_decoder runs without them): equal but for the order of sums, a bfloat16 step."""
+    def close(got: torch.Tensor, expected: torch.Tensor) -> None:
+        assert got.dtype == torch.bfloat16, got.dtype
+        torch.testing.assert_close(got, expected, rtol=1.6e-2, atol=1e-2)
+
+    x, residual, weight = rand(5, 72).bfloat16(), rand(5, 72).bfloat16(), rand(72).bfloat16()
+
+    def norm(t: torch.Tensor) -> torch.Tensor:
+        f = t.float()
+        return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+
+    close(ops.rms_norm(x, weight, 1e-5), norm(x))
+    total = residual + x
+    close(ops.add_rms_norm(x, residual, weight, 1e-5), norm(total))
+    close(residual, total)
+    gate_up = (rand(5, 2 * 44) * 4).bfloat16()
+    gate, up = gate_up.chunk(2, dim=1)
+    close(ops.silu_mul(gate_up), F.silu(gate) * up)
+    tokens, heads, kv_heads, dim, block = 5, 4, 2, 64, 4
+    q, k, v = rand(tokens, heads, dim).bfloat16(), rand(tokens, kv_heads, dim).bfloat16(), \
+        rand(tokens, kv_heads, dim).bfloat16()
+    cos, sin = rand(tokens, dim).bfloat16(), rand(tokens, dim).bfloat16()
+    k_cache, v_cache = torch.zeros(3, block, kv_heads, dim, dtype=torch.bfloat16), \
+        torch.zeros(3, block, kv_heads, dim, dtype=torch.bfloat16)
+    blocks, offsets = torch.tensor([2, 0, 0, 1, 2]), torch.tensor([0, 3, 1, 2, 3])
+    q_rot, k_rot = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    ops.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, blocks, offsets)
+    close(q, q_rot)
+    close(k_cache[blocks, offsets], k_rot)
+    assert torch.equal(v_cache[blocks, offsets], v)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -127,6 +178,20 @@ def _paged_attention(ops: Any, rand: Any) -> None:
     scale = dim ** -0.5
     _close(ops.paged_attention(q, k_cache, v_cache, tables, q_start, ctx_lens, scale, 16),
            paged_attention_reference(q, k_cache, v_cache, tables, q_start, ctx_lens, scale))
+
+
+def _paged_attention_bf16(ops: Any, rand: Any) -> None:
+    """A bfloat16 query over a bfloat16 pool: computed in float32, rounded once at the end."""
+    heads, kv_heads, dim, block = 6, 2, 64, 8
+    k_cache, v_cache = (rand(6, block, kv_heads, dim).bfloat16() for _ in range(2))
+    tables = torch.tensor([[4, 1, 5], [2, 0, 0]])
+    q_start, ctx_lens = torch.tensor([0, 3, 4]), torch.tensor([21, 9])
+    q = rand(4, heads, dim).bfloat16()
+    scale = dim ** -0.5
+    got = ops.paged_attention(q, k_cache, v_cache, tables, q_start, ctx_lens, scale, 16)
+    expected = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, q_start, ctx_lens, scale)
+    assert got.dtype == torch.bfloat16, got.dtype
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
 
 
 def _chunk_attention(ops: Any, rand: Any) -> None:

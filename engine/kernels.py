@@ -6,7 +6,8 @@ context into a contiguous copy, each block read once per KV head for all the que
 share it. `chunk_attention` (engine/csrc/chunk_attention.cpp) takes the longer prefill chunks,
 GEMM-shaped, also without a gather. `fused_ops.cpp` holds the fused steps of
 engine.fast_decoder, `panel_gemm.cpp` the matmul of engine.packing's layers, for any number of
-rows, on the weights' only copy (docs/engine.md has the figures); `calibrate.cpp` measures the
+rows, on the weights' only copy (docs/engine.md has the figures), `panel_gemm_bf16.cpp` its
+bfloat16 form where the CPU has AVX512-BF16; `calibrate.cpp` measures the
 machine's FMA rate and memory read rate, which bench/linear_bench.py compares the matmuls with.
 
 The source is compiled by one call of the machine's C++ compiler (against torch's headers, no
@@ -51,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name("csrc") / name
             for name in ("paged_attention.cpp", "chunk_attention.cpp", "fused_ops.cpp", "panel_gemm.cpp",
-                         "calibrate.cpp")]
+                         "panel_gemm_bf16.cpp", "calibrate.cpp")]
 # -fno-trapping-math lets GCC vectorise loops with float compares (the exp clamps, masks); the
 # kernels never read floating-point exception flags.
 _CFLAGS = ["-O3", "-fopenmp", "-march=native", "-fno-trapping-math", "-fno-math-errno"]
@@ -75,6 +76,10 @@ class NativeOps:
     pack_panels: Callable[..., torch.Tensor]
     panel_linear: Callable[..., torch.Tensor]
     gated_panel_linear: Callable[..., torch.Tensor]
+    pack_panels_bf16: Callable[..., torch.Tensor]  # these three: where bf16_panels (AVX512-BF16)
+    panel_linear_bf16: Callable[..., torch.Tensor]
+    gated_panel_linear_bf16: Callable[..., torch.Tensor]
+    bf16_panels: bool  # whether the build multiplies bfloat16 panels (engine/csrc/panel_gemm_bf16.cpp)
     fma_peak: Callable[[int], float]  # GFLOP/s of float32 FMAs on every thread (engine/csrc/calibrate.cpp)
     read_bandwidth: Callable[[torch.Tensor, int], float]  # GB/s of all threads reading a tensor
     bf16_dot_peak: Callable[[int], float]  # GFLOP/s of bfloat16 dot products (vdpbf16ps), 0 without them
@@ -279,7 +284,9 @@ def _load_checked(compiler: str, folder: Path, library: Path) -> NativeOps | Non
         ops = NativeOps(paged_attention=ns.paged_attention, chunk_attention=ns.chunk_attention, add_rms_norm=ns.add_rms_norm, rms_norm=ns.rms_norm,
                         rope_write_kv=ns.rope_write_kv, silu_mul=ns.silu_mul,
                         pack_panels=ns.pack_panels, panel_linear=ns.panel_linear,
-                        gated_panel_linear=ns.gated_panel_linear, fma_peak=ns.fma_peak,
+                        gated_panel_linear=ns.gated_panel_linear, pack_panels_bf16=ns.pack_panels_bf16,
+                        panel_linear_bf16=ns.panel_linear_bf16, gated_panel_linear_bf16=ns.gated_panel_linear_bf16,
+                        bf16_panels=bool(ns.bf16_panels_built()), fma_peak=ns.fma_peak,
                         read_bandwidth=ns.read_bandwidth, bf16_dot_peak=ns.bf16_dot_peak)
     except Exception as exc:  # a broken cache folder, a library from another torch
         _log_build_failure(_first_error(exc), folder)

@@ -7,9 +7,11 @@ linear weight once into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_lin
 what inductor's CPU freezing pass uses), which oneDNN multiplies against any number of rows, and
 fuses a gated MLP's gate and up projections into one matmul (one read of the input, one call).
 
-Where the engine loaded its native kernels (float32 on CPU), `use_panel_kernel` repacks every
-layer into the sequential panels of KVGate's own matmul (engine/csrc/panel_gemm.cpp), which then
-takes every row count; the panels replace oneDNN's layout, so a layer still holds one copy.
+Where the engine loaded its native kernels (CPU), `use_panel_kernel` repacks every float32 layer
+into the sequential panels of KVGate's own matmul (engine/csrc/panel_gemm.cpp), and every
+bfloat16 layer into those of its bfloat16 form where the CPU has AVX512-BF16
+(panel_gemm_bf16.cpp); the kernel then takes every row count, and the panels replace oneDNN's
+layout, so a layer still holds one copy.
 Either form rebuilds the plain weight on demand (`PackedLinear.dense_weight`), so the kernels can
 be switched both ways at run time.
 
@@ -57,6 +59,19 @@ def unpack_panels(panels: torch.Tensor, out_features: int, paired: bool = False)
     first half and the up outputs of the same indices in its second). An exact copy."""
     def columns(part: torch.Tensor, count: int) -> torch.Tensor:  # [P, K, w] -> [P * w, K][:count]
         return part.permute(0, 2, 1).reshape(-1, part.shape[1])[:count]
+
+    if not paired:
+        return columns(panels, out_features).contiguous()
+    half = panels.shape[2] // 2
+    return torch.cat([columns(panels[:, :, :half], out_features // 2),
+                      columns(panels[:, :, half:], out_features // 2)])
+
+
+def unpack_panels_bf16(panels: torch.Tensor, out_features: int, paired: bool = False) -> torch.Tensor:
+    """The plain weight [out_features, in_features] that `pack_panels_bf16` laid out as ``panels``
+    [P, in_features / 2, width, 2] (``paired`` as in `unpack_panels`). An exact copy."""
+    def columns(part: torch.Tensor, count: int) -> torch.Tensor:  # [P, K2, w, 2] -> [P * w, 2 K2][:count]
+        return part.permute(0, 2, 1, 3).reshape(-1, part.shape[1] * 2)[:count]
 
     if not paired:
         return columns(panels, out_features).contiguous()
@@ -117,7 +132,8 @@ class PackedLinear(nn.Module):
         """W [out_features, in_features] rebuilt from the form held (a new tensor: to repack the
         layer or to fuse it with others; exact)."""
         if self.panels is not None:
-            return unpack_panels(self.panels, self.out_features, paired=self.gated_panel is not None)
+            unpack = unpack_panels_bf16 if self.panels.dim() == 4 else unpack_panels
+            return unpack(self.panels, self.out_features, paired=self.gated_panel is not None)
         assert self.packed is not None
         return self.packed.to_dense()
 
@@ -126,6 +142,8 @@ class PackedLinear(nn.Module):
         tied output head's table, for `TiedEmbedding`)."""
         assert self.panels is not None and self.gated_panel is None, "rows are read from plain panels"
         width = self.panels.shape[2]
+        if self.panels.dim() == 4:  # bfloat16 panels: feature pairs side by side
+            return self.panels[index // width, :, index % width, :].flatten(-2)
         return self.panels[index // width, :, index % width]
 
     def to_panels(self, linear: Callable[..., torch.Tensor], pack: Callable[..., torch.Tensor],
@@ -251,29 +269,41 @@ def _own_memory(model: nn.Module) -> None:
                 module._buffers[name] = buffer.clone()
 
 
+PanelOps = tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], Callable[..., torch.Tensor] | None]
+
+
 def use_panel_kernel(modules: Iterable[nn.Module], linear: Callable[..., torch.Tensor] | None,
                      pack: Callable[..., torch.Tensor] | None = None,
-                     gated: Callable[..., torch.Tensor] | None = None) -> int:
+                     gated: Callable[..., torch.Tensor] | None = None, bf16: PanelOps | None = None) -> int:
     """Give the float32 packed layers among ``modules`` the native panel kernel (``linear``, with
     ``pack`` to repack their weights into its panels, which replace oneDNN's layout); returns
     how many. With ``gated`` (the gated panel kernel), gated MLP layers (`PackedLinear.gated`)
     get panels that pair gate and up outputs (``pack(weight, True)``), for
-    `PackedLinear.silu_mul`. ``linear=None`` takes the kernels away and packs the layers for
-    oneDNN again. A layer listed twice is converted once. A `TiedEmbedding` among ``modules``
-    then reads its rows from its head's panels, or holds its table again."""
+    `PackedLinear.silu_mul`. ``bf16`` = (linear, pack, gated) of the bfloat16 panel kernel: the
+    bfloat16 layers with an even number of input features take it the same way. ``linear=None``
+    takes the kernels away and packs the layers for oneDNN again. A layer listed twice is
+    converted once. A `TiedEmbedding` among ``modules`` then reads its rows from its head's
+    panels, or holds its table again."""
     if linear is not None and pack is None:
         raise ValueError("use_panel_kernel needs the pack op that lays out the kernel's panels")
     modules = list(modules)
     done: set[int] = set()
     for module in modules:
-        if not isinstance(module, PackedLinear) or module.dtype != torch.float32 or id(module) in done:
+        if not isinstance(module, PackedLinear) or id(module) in done:
             continue
-        done.add(id(module))
         if linear is None:
-            module.to_onednn()
-        else:
+            if module.panels is not None:
+                done.add(id(module))
+                module.to_onednn()
+            continue
+        if module.dtype == torch.float32:
             assert pack is not None
             module.to_panels(linear, pack, gated)
+        elif module.dtype == torch.bfloat16 and bf16 is not None and module.in_features % 2 == 0:
+            module.to_panels(*bf16)
+        else:
+            continue
+        done.add(id(module))
     for module in modules:
         if isinstance(module, TiedEmbedding):
             module.settle()

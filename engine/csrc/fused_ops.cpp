@@ -1,4 +1,5 @@
-// Fused element-wise steps of a Llama-family decoder layer on CPU, float32 (engine/fast_decoder.py).
+// Fused element-wise steps of a Llama-family decoder layer on CPU, float32 or bfloat16
+// (engine/fast_decoder.py; every tensor of one call in the same dtype).
 //
 // Each replaces several PyTorch ops (and their dispatch, allocations and passes over memory):
 //   add_rms_norm(x, residual, weight, eps)  residual += x (in place), returns rms_norm(residual) * weight
@@ -7,8 +8,8 @@
 //       rotates q and k in place (rotate-half convention, cos/sin [T, D]) and writes k, v into the
 //       paged pool at (blocks[t], offsets[t])
 //   silu_mul(gate_up)                       returns silu(gate) * up for gate_up = [gate | up]
-// The arithmetic is the one transformers' modules do (x * rsqrt(mean(x^2) + eps), x * sigmoid(x));
-// only the order of the float sums differs.
+// The arithmetic is the one transformers' modules do (x * rsqrt(mean(x^2) + eps), x * sigmoid(x)),
+// in bfloat16 with their roundings; only the order of the float sums differs.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,79 +22,155 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "vec_math.h"
 
 namespace {
 
+// Element types: float32, or bfloat16 (its bits). A bfloat16 op computes in float32 and rounds
+// (to nearest even) wherever transformers' bfloat16 modules round: after every op of theirs
+// (`narrow`), so the result is theirs but for the order of the sums.
+using bf16 = uint16_t;
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+template <typename T>
+inline T narrow(float f) {
+  if constexpr (std::is_same_v<T, float>) {
+    return f;
+  } else {
+    const uint32_t u = __builtin_bit_cast(uint32_t, f);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return static_cast<bf16>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);  // NaN stays NaN
+  }
+}
+// f as a T holds it (float32: f itself)
+template <typename T>
+inline float held(float f) { return widen(narrow<T>(f)); }
+
+bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
+
 void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1, name,
-              " must be a float32 [rows, features] tensor with contiguous rows");
+  TORCH_CHECK(t.dim() == 2 && (t.scalar_type() == at::kFloat || is_bf16(t)) && t.stride(1) == 1, name,
+              " must be a float32 or bfloat16 [rows, features] tensor with contiguous rows");
 }
 
-// rms-normalise `n` values of `src` into `dst` with `weight`.
-inline void normalize(const float* src, const float* weight, float eps, int64_t n, float* dst) {
+void check_same(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), what, " must have one dtype (", a.scalar_type(), " and ",
+              b.scalar_type(), ")");
+}
+
+// rms-normalise `n` values of `src` into `dst` with `weight`: weight * T(src * rsqrt(mean(src^2) + eps)).
+template <typename T>
+inline void normalize(const T* src, const T* weight, float eps, int64_t n, T* dst) {
   float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += src[i] * src[i];
+  for (int64_t i = 0; i < n; ++i) ss += widen(src[i]) * widen(src[i]);
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = weight[i] * (src[i] * inv);
+  for (int64_t i = 0; i < n; ++i) dst[i] = narrow<T>(widen(weight[i]) * held<T>(widen(src[i]) * inv));
+}
+
+template <typename T>
+void add_rms_norm_of(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                     at::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = static_cast<const T*>(x.data_ptr());
+  T* rp = static_cast<T*>(residual.data_ptr());
+  const T* wp = static_cast<const T*>(weight.data_ptr());
+  T* op = static_cast<T*>(out.data_ptr());
+  const int64_t xs = x.stride(0), rs = residual.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* res = rp + r * rs;
+      const T* src = xp + r * xs;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) res[i] = narrow<T>(widen(res[i]) + widen(src[i]));
+      normalize(res, wp, static_cast<float>(eps), n, op + r * n);
+    }
+  });
 }
 
 at::Tensor add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
-  TORCH_CHECK(x.sizes() == residual.sizes() && weight.is_contiguous() && weight.numel() == x.size(1) &&
-                  weight.scalar_type() == at::kFloat, "x, residual and weight must agree in shape");
-  const int64_t rows = x.size(0), n = x.size(1);
-  auto out = at::empty({rows, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t xs = x.stride(0), rs = residual.stride(0);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* res = rp + r * rs;
-      const float* src = xp + r * xs;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) res[i] += src[i];
-      normalize(res, wp, static_cast<float>(eps), n, op + r * n);
-    }
-  });
+  check_same(x, residual, "x and residual");
+  check_same(x, weight, "x and weight");
+  TORCH_CHECK(x.sizes() == residual.sizes() && weight.is_contiguous() && weight.numel() == x.size(1),
+              "x, residual and weight must agree in shape");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (is_bf16(x))
+    add_rms_norm_of<bf16>(x, residual, weight, eps, out);
+  else
+    add_rms_norm_of<float>(x, residual, weight, eps, out);
   return out;
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, "x");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == at::kFloat,
-              "weight must match x's features");
+template <typename T>
+void rms_norm_of(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   const int64_t rows = x.size(0), n = x.size(1);
-  auto out = at::empty({rows, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const T* xp = static_cast<const T*>(x.data_ptr());
+  const T* wp = static_cast<const T*>(weight.data_ptr());
+  T* op = static_cast<T*>(out.data_ptr());
   const int64_t xs = x.stride(0);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) normalize(xp + r * xs, wp, static_cast<float>(eps), n, op + r * n);
   });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_same(x, weight, "x and weight");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must match x's features");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (is_bf16(x))
+    rms_norm_of<bf16>(x, weight, eps, out);
+  else
+    rms_norm_of<float>(x, weight, eps, out);
   return out;
 }
 
-// x[h] for each head h of one token: x = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].
-inline void rotate(float* x, int64_t heads, int64_t head_stride, const float* cos, const float* sin, int64_t d,
-                   float* tmp) {
+// x[h] for each head h of one token: x = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
+// (each product and the sum held as T, as transformers' modules compute it).
+template <typename T>
+inline void rotate(T* x, int64_t heads, int64_t head_stride, const T* cos, const T* sin, int64_t d, float* tmp) {
   const int64_t half = d / 2;
   for (int64_t h = 0; h < heads; ++h) {
-    float* v = x + h * head_stride;
-    std::memcpy(tmp, v, sizeof(float) * d);
+    T* v = x + h * head_stride;
+    for (int64_t i = 0; i < d; ++i) tmp[i] = widen(v[i]);
 #pragma omp simd
-    for (int64_t i = 0; i < half; ++i) v[i] = tmp[i] * cos[i] - tmp[i + half] * sin[i];
+    for (int64_t i = 0; i < half; ++i)
+      v[i] = narrow<T>(held<T>(tmp[i] * widen(cos[i])) + held<T>(-tmp[i + half] * widen(sin[i])));
 #pragma omp simd
-    for (int64_t i = half; i < d; ++i) v[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
+    for (int64_t i = half; i < d; ++i)
+      v[i] = narrow<T>(held<T>(tmp[i] * widen(cos[i])) + held<T>(tmp[i - half] * widen(sin[i])));
   }
+}
+
+template <typename T>
+void rope_write_kv_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                      const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const int64_t* bp, const int64_t* offp) {
+  const int64_t T_ = q.size(0), H = q.size(1), KV = k.size(1), D = q.size(2);
+  T* qp = static_cast<T*>(q.data_ptr());
+  T* kp = static_cast<T*>(k.data_ptr());
+  const T* vp = static_cast<const T*>(v.data_ptr());
+  const T* cp = static_cast<const T*>(cos.data_ptr());
+  const T* sp = static_cast<const T*>(sin.data_ptr());
+  T* kc = static_cast<T*>(k_cache.data_ptr());
+  T* vc = static_cast<T*>(v_cache.data_ptr());
+  const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0), cache_stride = k_cache.stride(0);
+  at::parallel_for(0, T_, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(D);
+    for (int64_t t = begin; t < end; ++t) {
+      rotate(qp + t * qs, H, D, cp + t * D, sp + t * D, D, tmp.data());
+      rotate(kp + t * ks, KV, D, cp + t * D, sp + t * D, D, tmp.data());
+      const int64_t slot = bp[t] * cache_stride + offp[t] * KV * D;
+      std::memcpy(kc + slot, kp + t * ks, sizeof(T) * KV * D);
+      std::memcpy(vc + slot, vp + t * vs, sizeof(T) * KV * D);
+    }
+  });
 }
 
 void rope_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
@@ -102,18 +179,17 @@ void rope_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(0) == k.size(0),
               "q must be [T, H, D], k and v [T, KV, D]");
   for (const at::Tensor* t : {&q, &k, &v})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->stride(2) == 1 && t->stride(1) == t->size(2),
-                "q, k and v must be float32 with contiguous heads");
-  const int64_t T = q.size(0), H = q.size(1), KV = k.size(1), D = q.size(2);
+    TORCH_CHECK((t->scalar_type() == at::kFloat || is_bf16(*t)) && t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "q, k and v must be float32 or bfloat16 with contiguous heads");
+  for (const at::Tensor* t : {&k, &v, &cos, &sin, &k_cache, &v_cache}) check_same(q, *t, "q, k, v, cos, sin and the cache");
+  const int64_t T = q.size(0), KV = k.size(1), D = q.size(2);
   TORCH_CHECK(k.size(2) == D && D % 2 == 0, "q and k must share an even head size");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D &&
-                  cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat, "cos and sin must be contiguous float32 [T, D]");
+                  cos.is_contiguous() && sin.is_contiguous(), "cos and sin must be contiguous [T, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == KV &&
                   k_cache.size(3) == D && k_cache.stride(3) == 1 && k_cache.stride(2) == D &&
                   k_cache.stride(1) == KV * D && v_cache.stride(3) == 1 && v_cache.stride(2) == D &&
-                  v_cache.stride(1) == KV * D && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat, "k/v cache must be float32 [NB, BS, KV, D], contiguous blocks");
+                  v_cache.stride(1) == KV * D, "k/v cache must be [NB, BS, KV, D], contiguous blocks");
   TORCH_CHECK(blocks.numel() == T && offsets.numel() == T && blocks.scalar_type() == at::kLong &&
                   offsets.scalar_type() == at::kLong && blocks.is_contiguous() && offsets.is_contiguous(),
               "blocks and offsets must be int64 [T]");
@@ -122,24 +198,10 @@ void rope_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const int64_t* offp = offsets.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(bp[t] >= 0 && bp[t] < nb && offp[t] >= 0 && offp[t] < bs, "slot ", t, " is outside the pool");
-  float* qp = q.data_ptr<float>();
-  float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0), cache_stride = k_cache.stride(0);
-  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> tmp(D);
-    for (int64_t t = begin; t < end; ++t) {
-      rotate(qp + t * qs, H, D, cp + t * D, sp + t * D, D, tmp.data());
-      rotate(kp + t * ks, KV, D, cp + t * D, sp + t * D, D, tmp.data());
-      const int64_t slot = bp[t] * cache_stride + offp[t] * KV * D;
-      std::memcpy(kc + slot, kp + t * ks, sizeof(float) * KV * D);
-      std::memcpy(vc + slot, vp + t * vs, sizeof(float) * KV * D);
-    }
-  });
+  if (is_bf16(q))
+    rope_write_kv_of<bf16>(q, k, v, cos, sin, k_cache, v_cache, bp, offp);
+  else
+    rope_write_kv_of<float>(q, k, v, cos, sin, k_cache, v_cache, bp, offp);
 }
 
 at::Tensor silu_mul(const at::Tensor& gate_up) {
@@ -147,9 +209,23 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must hold gate and up halves");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   auto out = at::empty({rows, n}, gate_up.options());
+  const int64_t gs = gate_up.stride(0);
+  if (is_bf16(gate_up)) {  // SiLU(gate) held as bfloat16, then the product
+    const bf16* gp = static_cast<const bf16*>(gate_up.data_ptr());
+    bf16* op = static_cast<bf16*>(out.data_ptr());
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const bf16* g = gp + r * gs;
+        for (int64_t i = 0; i < n; ++i) {
+          const float x = widen(g[i]);
+          op[r * n + i] = narrow<bf16>(held<bf16>(x / (1.0f + kvgate::exp_clamped(-x))) * widen(g[n + i]));
+        }
+      }
+    });
+    return out;
+  }
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t gs = gate_up.stride(0);
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = gp + r * gs;

@@ -6,7 +6,7 @@
 // single long sequence still keeps every core busy; each split keeps its own softmax max, sum
 // and weighted values, merged at the end (the usual log-sum-exp combination).
 //
-// Shapes (float32, the layouts engine/attention.py has):
+// Shapes (float32 or bfloat16 q and pool, computed in float32; the layouts engine/attention.py has):
 //   q          [T, H, D]                 contiguous; rows of span s are q_start[s] .. q_start[s+1]-1
 //   k/v cache  [NB, BS, KV, D]           a layer's view: any block stride, contiguous inside a block
 //   tables     [S, W] int64              block ids of span s's context, in order (padded)
@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "paged_inputs.h"
@@ -39,6 +40,12 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// The pool holds float32 or bfloat16 K/V; either is read as float32 (bfloat16: the upper half of
+// a float32's bits) and every sum is float32.
+using bf16 = uint16_t;
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+
 // exp of scores shifted by their max (<= 0; -inf for masked keys, whose weight is 0).
 inline void exp_nonpositive(float* x, int64_t n) {
 #pragma omp simd
@@ -46,24 +53,26 @@ inline void exp_nonpositive(float* x, int64_t n) {
 }
 
 // row[t] = q . keys[t] for t < n (generic loop, any head size).
-inline void score_row_generic(const float* q, const float* const* keys, int64_t n, int64_t d, float* row) {
+template <typename KV>
+inline void score_row_generic(const float* q, const KV* const* keys, int64_t n, int64_t d, float* row) {
   for (int64_t t = 0; t < n; ++t) {
-    const float* k = keys[t];
+    const KV* k = keys[t];
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < d; ++i) acc += q[i] * k[i];
+    for (int64_t i = 0; i < d; ++i) acc += q[i] * to_float(k[i]);
     row[t] = acc;
   }
 }
 
 // out = sum_t p[t] * values[t] for t < n (out is overwritten; generic loop, any head size).
-inline void weigh_values_generic(const float* p, const float* const* values, int64_t n, int64_t d, float* out) {
+template <typename KV>
+inline void weigh_values_generic(const float* p, const KV* const* values, int64_t n, int64_t d, float* out) {
   std::fill(out, out + d, 0.0f);
   for (int64_t t = 0; t < n; ++t) {
-    const float* v = values[t];
+    const KV* v = values[t];
     const float w = p[t];
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) out[i] += w * v[i];
+    for (int64_t i = 0; i < d; ++i) out[i] += w * to_float(v[i]);
   }
 }
 
@@ -79,40 +88,51 @@ inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m25
   return _mm256_add_ps(lo, hi);
 }
 
-inline void score_row_64(const float* q, const float* const* keys, int64_t n, float* row) {
+// Eight elements of a K/V row as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+template <typename KV>
+inline void score_row_64(const float* q, const KV* const* keys, int64_t n, float* row) {
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) {
     __m256 acc[8];
     for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
     for (int c = 0; c < 8; ++c) {
       const __m256 qv = _mm256_loadu_ps(q + c * 8);
-      for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[t + k] + c * 8), acc[k]);
+      for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qv, load8(keys[t + k] + c * 8), acc[k]);
     }
     _mm256_storeu_ps(row + t, hsum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]));
   }
   if (t < n) score_row_generic(q, keys + t, n - t, 64, row + t);
 }
 
-inline void weigh_values_64(const float* p, const float* const* values, int64_t n, float* out) {
+template <typename KV>
+inline void weigh_values_64(const float* p, const KV* const* values, int64_t n, float* out) {
   __m256 acc[8];
   for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
     const __m256 w = _mm256_set1_ps(p[t]);
-    const float* v = values[t];
-    for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + c * 8), acc[c]);
+    const KV* v = values[t];
+    for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, load8(v + c * 8), acc[c]);
   }
   for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + c * 8, acc[c]);
 }
 #endif
 
-inline void score_row(const float* q, const float* const* keys, int64_t n, int64_t d, float* row) {
+template <typename KV>
+inline void score_row(const float* q, const KV* const* keys, int64_t n, int64_t d, float* row) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (d == 64) return score_row_64(q, keys, n, row);
 #endif
   score_row_generic(q, keys, n, d, row);
 }
 
-inline void weigh_values(const float* p, const float* const* values, int64_t n, int64_t d, float* out) {
+template <typename KV>
+inline void weigh_values(const float* p, const KV* const* values, int64_t n, int64_t d, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (d == 64) return weigh_values_64(p, values, n, out);
 #endif
@@ -123,12 +143,10 @@ struct Unit {
   int64_t span, kv_head, key_begin, key_end, partial;  // partial: first partial row of this unit
 };
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& tables, const at::Tensor& q_start, const at::Tensor& ctx_lens,
-                           double scale, int64_t split_tokens) {
-  const kvgate::PagedInputs in = kvgate::check_paged_inputs(q, k_cache, v_cache, tables, q_start, ctx_lens);
-  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
-  TORCH_CHECK(split_tokens > 0, "split_tokens must be positive");
+// Elem: float (a float32 pool) or bf16 (a bfloat16 pool); Q: float or bf16, q's element type.
+template <typename Elem, typename Q>
+at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const kvgate::PagedInputs& in, double scale, int64_t split_tokens) {
   const int64_t T = in.T, H = in.H, D = in.D, BS = in.BS, KV = in.KV, G = in.G, S = in.S, W = in.W;
   const int64_t *starts = in.starts, *lens = in.lens, *table = in.table;
 
@@ -144,20 +162,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       }
   }
 
-  auto out = at::empty({T, H, D}, q.options());
-  auto part_acc = at::empty({std::max<int64_t>(partials, 1), D}, q.options());
-  auto part_ml = at::empty({std::max<int64_t>(partials, 1), 2}, q.options());
+  const auto f32 = q.options().dtype(at::kFloat);
+  auto out = at::empty({T, H, D}, f32);
+  auto part_acc = at::empty({std::max<int64_t>(partials, 1), D}, f32);
+  auto part_ml = at::empty({std::max<int64_t>(partials, 1), 2}, f32);
   float* acc_all = part_acc.data_ptr<float>();
   float* ml_all = part_ml.data_ptr<float>();
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const Q* qp = static_cast<const Q*>(q.data_ptr());
+  const Elem* kp = static_cast<const Elem*>(k_cache.data_ptr());
+  const Elem* vp = static_cast<const Elem*>(v_cache.data_ptr());
   const int64_t block_stride = k_cache.stride(0);
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qbuf(max_rows * G * D), row_buf;
-    std::vector<const float*> kptrs, vptrs;
+    std::vector<const Elem*> kptrs, vptrs;
     for (int64_t u = begin; u < end; ++u) {
       const Unit& unit = units[u];
       const int64_t s = unit.span, n = starts[s + 1] - starts[s], ctx = lens[s], nq = n * G;
@@ -166,9 +185,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       // query j = i * G + g: row starts[s] + i, head kv_head * G + g, already scaled
       for (int64_t i = 0; i < n; ++i)
         for (int64_t g = 0; g < G; ++g) {
-          const float* src = qp + ((starts[s] + i) * H + unit.kv_head * G + g) * D;
+          const Q* src = qp + ((starts[s] + i) * H + unit.kv_head * G + g) * D;
           float* dst = qbuf.data() + (i * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * fscale;
+          for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * fscale;
         }
       kptrs.resize(keys);
       vptrs.resize(keys);
@@ -237,7 +256,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       }
     }
   });
-  return out;
+  return std::is_same_v<Q, float> ? out : out.to(q.scalar_type());
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& tables, const at::Tensor& q_start, const at::Tensor& ctx_lens,
+                           double scale, int64_t split_tokens) {
+  const kvgate::PagedInputs in = kvgate::check_paged_inputs(q, k_cache, v_cache, tables, q_start, ctx_lens, true);
+  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
+  TORCH_CHECK(split_tokens > 0, "split_tokens must be positive");
+  const bool bf16_q = q.scalar_type() == at::kBFloat16, bf16_kv = k_cache.scalar_type() == at::kBFloat16;
+  if (bf16_kv)
+    return bf16_q ? paged_attention_of<bf16, bf16>(q, k_cache, v_cache, in, scale, split_tokens)
+                  : paged_attention_of<bf16, float>(q, k_cache, v_cache, in, scale, split_tokens);
+  return bf16_q ? paged_attention_of<float, bf16>(q, k_cache, v_cache, in, scale, split_tokens)
+                : paged_attention_of<float, float>(q, k_cache, v_cache, in, scale, split_tokens);
 }
 
 }  // namespace

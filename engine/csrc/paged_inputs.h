@@ -1,6 +1,8 @@
 // The inputs both attention kernels take, checked once (paged_attention.cpp, chunk_attention.cpp):
-//   q          [T, H, D] float32, heads contiguous (the kernel says whether rows may be strided)
-//   k/v cache  [NB, BS, KV, D] float32: a layer's view, any block stride, contiguous inside a block
+//   q          [T, H, D] float32 (or bfloat16 where the kernel says so), heads contiguous (the
+//              kernel says whether rows may be strided)
+//   k/v cache  [NB, BS, KV, D] float32 (or bfloat16, likewise): a layer's view, any block stride,
+//              contiguous inside a block
 //   tables     [S, W] int64   block ids of span s's context, in order (padded)
 //   q_start    [S + 1] int64  span s owns q rows q_start[s] .. q_start[s+1]-1
 //   ctx_lens   [S] int64      keys of span s; its last row sits at position ctx_len - 1
@@ -24,10 +26,15 @@ struct PagedInputs {
 // rows within its context, its context within its table, every block id it reads within the pool.
 inline PagedInputs check_paged_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                       const at::Tensor& tables, const at::Tensor& q_start,
-                                      const at::Tensor& ctx_lens) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be [T, H, D] float32");
+                                      const at::Tensor& ctx_lens, bool bf16 = false) {
+  const auto takes = [bf16](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat || (bf16 && t.scalar_type() == at::kBFloat16);
+  };
+  const char* types = bf16 ? "float32 or bfloat16" : "float32";
+  TORCH_CHECK(q.dim() == 3 && takes(q), "q must be [T, H, D] ", types);
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "k/v cache must be [NB, BS, KV, D]");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat, "k/v cache must be float32");
+  TORCH_CHECK(takes(k_cache) && v_cache.scalar_type() == k_cache.scalar_type(), "k/v cache must be ", types,
+              " (both the same)");
   TORCH_CHECK(k_cache.stride(0) == v_cache.stride(0), "k and v caches must share a block stride");
   PagedInputs in{};
   in.BS = k_cache.size(1);

@@ -54,3 +54,23 @@ def test_streamed_chat_matches_generate(http, hf) -> None:
                 delta = json.loads(line[6:])["choices"][0]["delta"]
                 pieces.append(delta.get("content") or "")
     assert "".join(pieces) == expected
+
+
+@pytest.mark.server
+def test_a_bfloat16_server_matches_generate_in_bfloat16(start_app) -> None:
+    """`dtype = "bfloat16"`: bfloat16 weights and KV pool (the few-row attention kernel reads it
+    where the native kernels are built); greedy text equals transformers' bfloat16 generate."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.model import resolve_model_path
+
+    server = start_app(config='[model]\npath = "tiny"\ndtype = "bfloat16"\n')
+    path = resolve_model_path("tiny")
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval(), AutoTokenizer.from_pretrained(path)
+    import httpx
+
+    for prompt in PROMPTS:
+        response = httpx.post(server.url + "/v1/completions", timeout=60,
+                              json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == _generate(hf16, hf16[1](prompt).input_ids), prompt

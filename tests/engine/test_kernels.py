@@ -535,3 +535,102 @@ def test_the_calibration_ops_measure_positive_rates_and_refuse_bad_input() -> No
         ops.read_bandwidth(torch.ones(1 << 10, dtype=torch.float64), 1)
     with pytest.raises(RuntimeError, match="iters must be positive"):
         ops.fma_peak(0)
+
+
+@needs_kernel
+@given(spans=st.lists(st.tuples(st.integers(1, 8), st.integers(0, 70)), min_size=1, max_size=4),
+       seed=st.integers(0, 2**16))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_kernel_over_a_bfloat16_pool_matches_sdpa_in_float32(spans: list[tuple[int, int]], seed: int) -> None:
+    """bfloat16 q and pool: read as float32, summed in float32, the output rounded once."""
+    spans = [(n, n + extra) for n, extra in spans]
+    k_cache, v_cache = (t.bfloat16() for t in _pool(3, 64, seed=seed))
+    rng = random.Random(seed)
+    width = max(-(-ctx // BS) for _, ctx in spans)
+    tables = torch.tensor([rng.sample(range(k_cache.shape[0]), width) for _ in spans], dtype=torch.long)
+    q_start = torch.tensor([0] + [n for n, _ in spans]).cumsum(0)
+    ctx_lens = torch.tensor([ctx for _, ctx in spans])
+    q = torch.randn(int(q_start[-1]), 9, 64, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    got = op(q, k_cache, v_cache, tables, q_start, ctx_lens, 0.125, 32)
+    expected = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, q_start, ctx_lens, 0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+    mixed = op(q.float(), k_cache, v_cache, tables, q_start, ctx_lens, 0.125, 32)  # a float32 query, bf16 pool
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, expected, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_the_chunk_kernel_refuses_a_bfloat16_pool_with_a_clear_error() -> None:
+    k_cache, v_cache = (t.bfloat16() for t in _pool(3, 64))
+    with pytest.raises(RuntimeError, match="float32"):
+        chunk_op(torch.randn(20, 9, 64).bfloat16(), k_cache, v_cache, torch.tensor([[0, 1]]),
+                 torch.tensor([0, 20]), torch.tensor([20]), 0.125, 2)
+
+
+@needs_kernel
+def test_a_bfloat16_engine_runs_its_decodes_on_the_attention_kernel(tiny_model_dir) -> None:
+    outputs = {}
+    for native in (True, False):
+        core = EngineCore(EngineConfig(model="tiny", dtype="bfloat16", num_blocks=64, device="cpu",
+                                       native_kernels=native),
+                          loaded=load_model(str(tiny_model_dir), dtype="bfloat16", device="cpu"))
+        assert (core.runner.paged_kernel is not None) is native and core.runner.chunk_kernel is None
+        core.add_request(GenerateRequest("a", list(range(5, 45)), SamplingParams(max_tokens=8, temperature=0,
+                                                                                   ignore_eos=True)))
+        tokens = []
+        while core.has_work():
+            tokens += [o.token_id for o in core.step()]
+        outputs[native] = tokens
+    assert len(outputs[True]) == 8 and outputs[True] == outputs[False]
+
+
+needs_bf16_panels = pytest.mark.skipif(ops is None or not ops.bf16_panels, reason="no AVX512-BF16 in this build")
+
+
+@needs_bf16_panels
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 100])
+@pytest.mark.parametrize("out_features,in_features", [(37, 24), (64, 64), (129, 96)])
+def test_bfloat16_panel_linear_matches_f_linear(rows: int, out_features: int, in_features: int) -> None:
+    """Float32 sums rounded once: what F.linear gives in bfloat16 (here, bit for bit but for the
+    order of the sums, so within one bfloat16 step)."""
+    assert ops is not None
+    gen = torch.Generator().manual_seed(rows * out_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    panels = ops.pack_panels_bf16(weight)
+    assert panels.shape == (-(-out_features // 32), in_features // 2, 32, 2)
+    got = ops.panel_linear_bf16(x, panels, bias, out_features)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-2, atol=2e-2)
+    wide = torch.randn(rows, 2 * in_features, generator=gen).bfloat16()[:, :in_features]  # rows of a wider tensor
+    torch.testing.assert_close(ops.panel_linear_bf16(wide, panels, None, out_features), F.linear(wide, weight),
+                               rtol=1e-2, atol=2e-2)
+
+
+@needs_bf16_panels
+@pytest.mark.parametrize("rows", [1, 7, 30])
+def test_bfloat16_gated_panels_round_as_transformers_modules_do(rows: int) -> None:
+    assert ops is not None
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    weight, bias = torch.randn(2 * 40, 64, generator=gen).bfloat16(), torch.randn(2 * 40, generator=gen).bfloat16()
+    panels = ops.pack_panels_bf16(weight, True)
+    full = F.linear(x, weight, bias)
+    torch.testing.assert_close(ops.gated_panel_linear_bf16(x, panels, bias, 40, False), full, rtol=1e-2, atol=2e-2)
+    torch.testing.assert_close(ops.gated_panel_linear_bf16(x, panels, bias, 40, True),
+                               F.silu(full[:, :40]) * full[:, 40:], rtol=2e-2, atol=5e-2)
+
+
+@needs_bf16_panels
+def test_bfloat16_panels_refuse_what_does_not_fit() -> None:
+    assert ops is not None
+    with pytest.raises(RuntimeError, match="in_features must be even"):
+        ops.pack_panels_bf16(torch.randn(8, 7).bfloat16())
+    panels = ops.pack_panels_bf16(torch.randn(40, 16).bfloat16())
+    with pytest.raises(RuntimeError, match="x has 18 features"):
+        ops.panel_linear_bf16(torch.randn(2, 18).bfloat16(), panels, None, 40)
+    with pytest.raises(RuntimeError, match="bfloat16 CPU tensor"):
+        ops.panel_linear_bf16(torch.randn(2, 16), panels, None, 40)
+    with pytest.raises(RuntimeError, match="cannot hold 100 outputs"):
+        ops.panel_linear_bf16(torch.randn(2, 16).bfloat16(), panels, None, 100)

@@ -84,3 +84,44 @@ def test_a_tied_table_is_held_once_while_the_head_holds_panels() -> None:
     assert embed.weight is not None and torch.equal(embed.weight, table)  # oneDNN's layout: the table is back
     with torch.inference_mode():
         torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
+
+
+BF16_PANELS = ops is not None and ops.bf16_panels
+needs_bf16_panels = pytest.mark.skipif(not BF16_PANELS or not packing_supported(torch.device("cpu"), torch.bfloat16),
+                                       reason="no AVX512-BF16 in this build (or no oneDNN bfloat16)")
+
+
+@needs_bf16_panels
+def test_bfloat16_layers_take_the_bfloat16_panels_and_give_their_weight_back() -> None:
+    assert ops is not None
+    bf16 = (ops.panel_linear_bf16, ops.pack_panels_bf16, ops.gated_panel_linear_bf16)
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(70, 64, generator=gen).bfloat16(), torch.randn(70, generator=gen).bfloat16()
+    odd = PackedLinear(torch.randn(8, 63, generator=gen).bfloat16(), None)  # odd in_features: oneDNN keeps it
+    layer = PackedLinear(weight, bias)
+    gated = PackedLinear(torch.randn(2 * 24, 64, generator=gen).bfloat16(), None, gated=24)
+    converted = use_panel_kernel([layer, gated, odd], ops.panel_linear, ops.pack_panels, ops.gated_panel_linear, bf16)
+    assert converted == 2 and layer.panels is not None and layer.panels.dim() == 4 and odd.panels is None
+    assert torch.equal(layer.dense_weight(), weight)  # the panels give the weight back exactly
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-2, atol=1e-2)
+        full = F.linear(x, gated.dense_weight())
+        torch.testing.assert_close(gated.silu_mul(x), F.silu(full[:, :24]) * full[:, 24:], rtol=2e-2, atol=2e-2)
+    assert use_panel_kernel([layer, gated, odd], None) == 2
+    assert layer.panels is None and torch.equal(layer.dense_weight(), weight)  # oneDNN's layout again
+
+
+@needs_bf16_panels
+def test_a_bfloat16_tied_table_is_read_from_the_bfloat16_panels() -> None:
+    assert ops is not None
+    model = _Tied().bfloat16()
+    table = model.embed.weight.detach().clone()
+    ids = torch.tensor([[0, 31, 32, 99], [5, 64, 63, 1]])
+    pack_model(model, torch.device("cpu"), torch.bfloat16)
+    embed = model.get_input_embeddings()
+    use_panel_kernel(list(model.modules()), ops.panel_linear, ops.pack_panels, ops.gated_panel_linear,
+                     (ops.panel_linear_bf16, ops.pack_panels_bf16, ops.gated_panel_linear_bf16))
+    assert embed.weight is None and model.head.panels is not None and model.head.panels.dim() == 4
+    with torch.inference_mode():
+        assert torch.equal(embed(ids), table[ids])
