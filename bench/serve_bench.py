@@ -53,10 +53,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plain", action="store_true", help="skip the in-process plain generate loop")
     p.add_argument("--load-py", type=Path, default=PEERS / "load.py",
                    help="the shared load client (default: ../shared/peers/load.py)")
-    p.add_argument("--load-args", default="", help="extra arguments for load.py, one string (e.g. '--conc 1,16')")
+    p.add_argument("--conc", default="1,4,16",
+                   help="concurrency levels of the throughput part (default 1,4,16; e.g. 1,4,16,32,64). Each "
+                        "level sends max(16, the highest level) requests, so every level can fill its slots")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="dtype of both servers (`kvgate serve --dtype`, vLLM's --dtype; default float32)")
+    p.add_argument("--load-args", default="", help="extra arguments for load.py, one string (e.g. '--runs 1')")
     p.add_argument("--json-out", type=Path, default=None, help="write every run's raw results here")
     p.add_argument("--plot-out", type=Path, default=None, help="write a PNG plot here (needs matplotlib)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        args.conc_list = sorted({int(c) for c in args.conc.split(",") if c.strip()})
+    except ValueError:
+        p.error("--conc takes comma-separated whole numbers, e.g. 1,4,16,32,64")
+    if not args.conc_list or min(args.conc_list) < 1:
+        p.error("--conc needs at least one level, each >= 1")
+    return args
 
 
 def free_port() -> int:
@@ -113,6 +125,7 @@ def run_server(name: str, argv: list[str], env: dict[str, str], model_id: str | 
             say(f"{name}: ready; running the load client")
             assert model_id is not None
             cmd = [sys.executable, str(args.load_py), "--base-url", url, "--model", model_id, "--label", name,
+                   "--conc", ",".join(map(str, args.conc_list)), "--requests", str(max(16, *args.conc_list)),
                    *args.load_args.split()]
             result = subprocess.run(cmd, capture_output=True, text=True, check=True)
             for line in result.stdout.splitlines():
@@ -123,11 +136,23 @@ def run_server(name: str, argv: list[str], env: dict[str, str], model_id: str | 
             stop(proc)
 
 
-def run_plain(model: str) -> dict[str, Any]:
+def vllm_command(args: argparse.Namespace, model_dir: Path, port: int) -> list[str]:
+    """../shared/peers/start_vllm.sh for float32; for another dtype the same server command with that
+    dtype (the script fixes float32), under the same environment."""
+    if args.dtype == "float32":
+        return ["bash", str(PEERS / "start_vllm.sh"), str(model_dir), str(port)]
+    script = (PEERS / "start_vllm.sh").read_text().replace("--dtype float32", f"--dtype {args.dtype}")
+    if f"--dtype {args.dtype}" not in script:
+        raise SystemExit("serve_bench: ../shared/peers/start_vllm.sh no longer says --dtype float32; update vllm_command")
+    return ["bash", "-c", script, "start_vllm.sh", str(model_dir), str(port)]
+
+
+def run_plain(model: str, dtype: str = "float32") -> dict[str, Any]:
     """The in-process plain generate loop, via bench.engine_bench (same prompt shapes)."""
     say("plain loop: bench.engine_bench --systems plain")
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"serve_bench_plain_{os.getpid()}.json"
-    cmd = [sys.executable, "-m", "bench.engine_bench", "--model", model, "--systems", "plain", "--repeats", "1",
+    cmd = [sys.executable, "-m", "bench.engine_bench", "--model", model, "--dtype", dtype, "--systems", "plain",
+           "--repeats", "1",
            "--concurrency", "1", "--json-out", str(out)]  # the plain loop serves one request at a time
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     data = json.loads(out.read_text())
@@ -159,9 +184,10 @@ def medians(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(row[k] for row in rows if k in row) for k in keys}
 
 
-def table(results: dict[str, dict[str, float]]) -> str:
-    cols = [("tok_s_c1", "tok/s c=1"), ("tok_s_c4", "tok/s c=4"), ("tok_s_c16", "tok/s c=16"),
-            ("ttft_p50_c16", "TTFT p50 c=16 (s)"), ("cold_s", "2k cold (s)"), ("cached_s", "1,984 cached (s)"),
+def table(results: dict[str, dict[str, float]], levels: list[int] = [1, 4, 16]) -> str:  # noqa: B006
+    top = max(levels)
+    cols = [*((f"tok_s_c{c}", f"tok/s c={c}") for c in levels),
+            (f"ttft_p50_c{top}", f"TTFT p50 c={top} (s)"), ("cold_s", "2k cold (s)"), ("cached_s", "1,984 cached (s)"),
             ("repeat_s", "exact repeat (s)")]
     lines = ["| system | " + " | ".join(c[1] for c in cols) + " |", "|---|" + "---:|" * len(cols)]
     for name, row in results.items():
@@ -180,21 +206,21 @@ def table(results: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[str, dict[str, float]], path: Path) -> None:
+def plot(results: dict[str, dict[str, float]], path: Path, levels: list[int] = [1, 4, 16],  # noqa: B006
+         plot_dtype: str = "float32") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    levels = [1, 4, 16]
     width = 0.8 / max(1, len(results))
     for i, (name, row) in enumerate(results.items()):
         xs = [j + i * width for j in range(len(levels))]
         ax1.bar(xs, [row.get(f"tok_s_c{c}", 0) for c in levels], width, label=name)
     ax1.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(levels))], [f"c={c}" for c in levels])
     ax1.set_ylabel("output tok/s (higher is better)")
-    ax1.set_title("throughput over HTTP")
+    ax1.set_title(f"throughput over HTTP ({plot_dtype})")
     ax1.legend()
     keys = [("cold_s", "cold"), ("cached_s", "1,984 cached"), ("repeat_s", "exact repeat")]
     for i, (name, row) in enumerate(results.items()):
@@ -232,18 +258,18 @@ def main(argv: list[str] | None = None) -> int:
         if "--disk-cache" not in extra:  # a fresh disk tier per run: seeded prompts must start cold
             extra += ["--disk-cache", str(logs / f"kv_run{run}_{os.getpid()}")]
         raw["kvgate"].append(run_server(
-            "kvgate", [kvgate, "serve", "--model", args.model, "--port", str(port), "--log-level", "warning",
-                       *extra],
+            "kvgate", [kvgate, "serve", "--model", args.model, "--dtype", args.dtype, "--port", str(port),
+                       "--log-level", "warning", *extra],
             dict(os.environ), None, "/ready", 600, args, port,
             logs / f"kvgate_{run}.log"))
         if args.vllm_python is not None:
             port = free_port()
             env = dict(os.environ, VLLM_PY=str(args.vllm_python))
             raw["vllm"].append(run_server(
-                "vllm", ["bash", str(PEERS / "start_vllm.sh"), str(vllm_dir), str(port)], env, "smollm2",
+                "vllm", vllm_command(args, vllm_dir, port), env, "smollm2",
                 "/v1/models", args.vllm_start_timeout, args, port, logs / f"vllm_{run}.log"))
         if not args.no_plain:
-            raw["plain"].append(run_plain(args.model))
+            raw["plain"].append(run_plain(args.model, args.dtype))
     for folder in logs.glob(f"kv_run*_{os.getpid()}"):
         shutil.rmtree(folder, ignore_errors=True)
     results: dict[str, dict[str, float]] = {}
@@ -253,11 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         if raw[name]:
             results[name] = medians([figures(r) for r in raw[name]])
     print(f"medians over {args.runs} run(s); TTFT ratios are vLLM / KVGate\n")
-    print(table(results))
+    print(table(results, args.conc_list))
     if args.json_out is not None:
-        args.json_out.write_text(json.dumps({"raw": raw, "medians": results}, indent=1))
+        args.json_out.write_text(json.dumps({"raw": raw, "medians": results, "dtype": args.dtype,
+                                             "conc": args.conc_list}, indent=1))
     if args.plot_out is not None:
-        plot(results, args.plot_out)
+        plot(results, args.plot_out, args.conc_list, args.dtype)
         say(f"plot written to {args.plot_out}")
     return 0
 

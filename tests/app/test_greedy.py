@@ -58,13 +58,13 @@ def test_streamed_chat_matches_generate(http, hf) -> None:
 
 @pytest.mark.server
 def test_a_bfloat16_server_matches_generate_in_bfloat16(start_app) -> None:
-    """`dtype = "bfloat16"`: bfloat16 weights and KV pool (the few-row attention kernel reads it
-    where the native kernels are built); greedy text equals transformers' bfloat16 generate."""
+    """`kvgate serve --dtype bfloat16`: bfloat16 weights and KV pool (on the native kernels where
+    they are built); greedy text equals transformers' bfloat16 generate."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.model import resolve_model_path
 
-    server = start_app(config='[model]\npath = "tiny"\ndtype = "bfloat16"\n')
+    server = start_app("--model", "tiny", "--dtype", "bfloat16")
     path = resolve_model_path("tiny")
     hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval(), AutoTokenizer.from_pretrained(path)
     import httpx
