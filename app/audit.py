@@ -228,6 +228,9 @@ class IsolationAudit:
         result.placed_tokens = await self.place(ids, tier)
         result.other_salt_lookup_tokens = int((await self.control("lookup", "b", ids))["cached_tokens"])
         before = await self.counters()
+        # Ask the tier as a prefetch does first: it loads whatever the tier hands B regardless of
+        # the cost model, so a leak shows even where the request alone would have recomputed.
+        await self.control("prefetch", "b", ids)
         _, result.other_salt_hit_tokens = await self.send("b", ids)
         start = await self.counters()
         result.other_salt_counter_deltas = start.deltas(before)

@@ -193,10 +193,16 @@ def test_bad_input_is_a_400_naming_the_field(app_server: Any, body: dict[str, An
     assert error["type"] == "invalid_request_error"
 
 
-def test_a_broken_isolation_is_caught(app_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both synthetic salts the same, as a salt derivation that ignored the namespace would give."""
+@pytest.mark.parametrize("slow_disk", [False, True])
+def test_a_broken_isolation_is_caught(app_server: Any, monkeypatch: pytest.MonkeyPatch, slow_disk: bool) -> None:
+    """Both synthetic salts the same, as a salt derivation that ignored the namespace would give;
+    also where the disk looks slower than recomputing, so a request alone would not ask it."""
     real = app.audit.audit_salts
     monkeypatch.setattr(app.audit, "audit_salts", lambda secret, nonce: (real(secret, nonce)[0],) * 2)
+    if slow_disk:
+        rate = app_server.app.state.engine.backend.core.chain.store.rate
+        monkeypatch.setattr(rate, "bytes_per_s", 1.0)
+        monkeypatch.setattr(rate, "latency_s", 60.0)
     response = audit(app_server, {"tiers": ["device", "disk"], "samples": 8})
     assert response.status_code == 200, response.text
     report = response.json()

@@ -20,12 +20,21 @@ def test_levels_and_dtype_are_parsed_and_bad_levels_refused(capsys) -> None:
     assert "--conc" in capsys.readouterr().err
 
 
-def test_vllm_gets_the_peers_command_with_the_dtype(tmp_path: Path) -> None:
+def test_vllm_gets_the_peers_command_with_the_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peers' script (a stand-in here: ../shared/peers is outside a clone) with its dtype swapped."""
+    peers = tmp_path / "peers"
+    peers.mkdir()
+    (peers / "start_vllm.sh").write_text('exec vllm serve "$1" --port "$2" --dtype float32 --max-num-seqs 64\n')
+    monkeypatch.setattr(serve_bench, "PEERS", peers)
     args = serve_bench.parse_args(["--dtype", "bfloat16"])
     command = serve_bench.vllm_command(args, tmp_path, 8123)
     assert command[:2] == ["bash", "-c"] and "--dtype bfloat16" in command[2] and "--dtype float32" not in command[2]
-    assert command[-2:] == [str(tmp_path), "8123"]
-    assert serve_bench.vllm_command(serve_bench.parse_args([]), tmp_path, 8123)[-2:] == [str(tmp_path), "8123"]
+    assert "--max-num-seqs 64" in command[2] and command[-2:] == [str(tmp_path), "8123"]
+    plain = serve_bench.vllm_command(serve_bench.parse_args([]), tmp_path, 8123)
+    assert plain == ["bash", str(peers / "start_vllm.sh"), str(tmp_path), "8123"]
+    (peers / "start_vllm.sh").write_text('exec vllm serve "$1" --port "$2"\n')
+    with pytest.raises(SystemExit, match="no longer says --dtype float32"):
+        serve_bench.vllm_command(args, tmp_path, 8123)
 
 
 def test_the_table_has_a_column_per_level_and_ratios() -> None:
