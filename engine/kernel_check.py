@@ -32,7 +32,7 @@ def first_mismatch(ops: Any) -> str | None:
                         ("panel_linear_bf16", _panel_linear_bf16), ("fused ops bfloat16", _fused_bf16),
                         ("rope_write_kv", _rope_write_kv),
                         ("paged_attention", _paged_attention), ("paged_attention bfloat16", _paged_attention_bf16),
-                        ("chunk_attention", _chunk_attention)):
+                        ("chunk_attention", _chunk_attention), ("chunk_attention bfloat16", _chunk_attention_bf16)):
         try:
             with torch.inference_mode():
                 check(ops, rand)
@@ -205,3 +205,17 @@ def _chunk_attention(ops: Any, rand: Any) -> None:
     scale = dim ** -0.5
     _close(ops.chunk_attention(q, k_cache, v_cache, tables, q_start, ctx_lens, scale, 2),
            paged_attention_reference(q, k_cache, v_cache, tables, q_start, ctx_lens, scale))
+
+
+def _chunk_attention_bf16(ops: Any, rand: Any) -> None:
+    """The same spans with a bfloat16 query and pool: computed in float32, rounded once at the end."""
+    heads, kv_heads, dim, block = 6, 2, 64, 8
+    k_cache, v_cache = (rand(12, block, kv_heads, dim).bfloat16() for _ in range(2))
+    tables = torch.tensor([[4, 1, 5, 9, 2, 11, 3, 0, 7, 10], [6, 8, 0, 0, 0, 0, 0, 0, 0, 0]])
+    q_start, ctx_lens = torch.tensor([0, 20, 29]), torch.tensor([75, 9])
+    q = rand(29, heads, dim).bfloat16()
+    scale = dim ** -0.5
+    got = ops.chunk_attention(q, k_cache, v_cache, tables, q_start, ctx_lens, scale, 2)
+    expected = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, q_start, ctx_lens, scale)
+    assert got.dtype == torch.bfloat16, got.dtype
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)

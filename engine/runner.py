@@ -53,15 +53,13 @@ class ModelRunner:
         together: the attention kernels, the fast decoder's fused steps and the packed layers'
         matmul. The engine switches between two steps, on the thread that runs them, so a step
         runs wholly on one set of ops (engine/loop.py). Packing the panels takes a moment. A
-        bfloat16 model takes the few-row attention kernel and, with AVX512-BF16, the bfloat16
-        panel kernel (the fused steps and the chunk kernel are float32 only)."""
+        bfloat16 model takes all of them, the panels in bfloat16 where the CPU has AVX512-BF16."""
         if self.storage.device.type != "cpu" or self.storage.dtype not in (torch.float32, torch.bfloat16):
             native = None  # the native ops are CPU kernels
-        float32 = self.storage.dtype == torch.float32
         # decodes and short chunks, over a float32 or a bfloat16 pool
         self.paged_kernel = native.paged_attention if native is not None else None
-        # many-row prefill chunks (float32); head sizes the kernel's tiles take (a multiple of 8)
-        self.chunk_kernel = native.chunk_attention if native is not None and float32 and \
+        # many-row prefill chunks; head sizes the kernel's tiles take (a multiple of 8)
+        self.chunk_kernel = native.chunk_attention if native is not None and \
             self.storage.keys(0).shape[-1] % 8 == 0 else None
         if self.fast is not None:
             self.fast.use_native(native)

@@ -1,5 +1,7 @@
-// Attention of prefill chunks (many query rows per sequence) over their paged context, on CPU,
-// float32: the rows of a prompt whose prefix was a cache hit, and whole cold prompts.
+// Attention of prefill chunks (many query rows per sequence) over their paged context, on CPU:
+// the rows of a prompt whose prefix was a cache hit, and whole cold prompts. q and the pool are
+// float32 or bfloat16; every product and sum is float32 (a bfloat16 key tile is widened once into
+// a float32 scratch that all the unit's row tiles read), and a bfloat16 q gets bfloat16 rows back.
 //
 // PyTorch's flash attention needs the context gathered into a contiguous copy first and runs its
 // small GEMMs well below the machine's matmul rate on these shapes (docs/engine.md). This kernel
@@ -32,7 +34,7 @@
 //   q_start    [S + 1] int64
 //   ctx_lens   [S] int64      keys of span s; its last row sits at position ctx_len - 1
 // Row i of span s (n rows) is at position ctx_len - n + i and attends to keys 0 ..= that position.
-// Returns [T, H, D]. D must be a multiple of 8.
+// Returns [T, H, D] in q's dtype. D must be a multiple of 8.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -45,6 +47,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -109,6 +112,10 @@ inline vec exp2_vec(vec x) {
 }
 
 inline vec vmax(vec a, vec b) { return a > b ? a : b; }
+
+using bf16 = uint16_t;
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
 
 // Rows of one KV head a unit computes: up to row_tiles tiles of kRows rows.
 struct Unit {
@@ -224,12 +231,11 @@ void tile_over_keys(RowTile& rt, const float* const* krow, const float* const* v
   for (int64_t d0 = 0; d0 < D; d0 += kKeys) weigh_group<V>(vrow, st, padded, d0, rt.ot.data(), alpha, k0 == 0);
 }
 
-at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& tables, const at::Tensor& q_start, const at::Tensor& ctx_lens,
-                           double scale, int64_t row_tiles) {
-  const kvgate::PagedInputs in = kvgate::check_paged_inputs(q, k_cache, v_cache, tables, q_start, ctx_lens);
-  TORCH_CHECK(row_tiles >= 1, "row_tiles must be positive");
-  TORCH_CHECK(in.D % kKeys == 0 && in.D % 8 == 0, "head size must be a multiple of 8");
+// Elem: the pool's element type (float or bf16); Q: q's.
+template <typename Elem, typename Q>
+at::Tensor chunk_attention_of(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const kvgate::PagedInputs& in, double scale, int64_t row_tiles) {
+  constexpr bool widen = !std::is_same_v<Elem, float>;  // key tiles go through a float32 scratch
   const int64_t T = in.T, H = in.H, D = in.D, BS = in.BS, KV = in.KV, G = in.G, S = in.S, W = in.W;
   const int64_t *starts = in.starts, *lens = in.lens, *table = in.table;
 
@@ -246,12 +252,12 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   // longest first: a causal prompt's last rows see every key, its first rows few
   std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.keys > b.keys; });
 
-  auto out = at::empty({T, H, D}, q.options());
+  auto out = at::empty({T, H, D}, q.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
-  const float* qp = q.data_ptr<float>();
+  const Q* qp = static_cast<const Q*>(q.data_ptr());
   const int64_t q_row = q.stride(0);
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const Elem* kp = static_cast<const Elem*>(k_cache.data_ptr());
+  const Elem* vp = static_cast<const Elem*>(v_cache.data_ptr());
   const int64_t block_stride = k_cache.stride(0);
   const float fscale = static_cast<float>(scale) * 1.44269504088896341f;  // log2(e): see exp2_vec
   const std::vector<float> zeros(D, 0.0f);
@@ -266,6 +272,7 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     }
     std::vector<float> scores(kTile * kRows);  // S^T, then P^T, of one row tile and key tile
     std::vector<const float*> krow(kTile), vrow(kTile);
+    std::vector<float> kwide(widen ? kTile * D : 0), vwide(widen ? kTile * D : 0);
     for (int64_t u = next.fetch_add(1); u < total; u = next.fetch_add(1)) {
       const Unit& unit = units[u];
       const int64_t s = unit.span, h = unit.kv_head, n = starts[s + 1] - starts[s], ctx = lens[s];
@@ -287,8 +294,8 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const
             for (int64_t d = 0; d < D; ++d) qt[d * kRows + r] = 0.0f;
             continue;
           }
-          const float* src = qp + (starts[s] + j / G) * q_row + (h * G + j % G) * D;
-          for (int64_t d = 0; d < D; ++d) qt[d * kRows + r] = src[d] * fscale;
+          const Q* src = qp + (starts[s] + j / G) * q_row + (h * G + j % G) * D;
+          for (int64_t d = 0; d < D; ++d) qt[d * kRows + r] = to_float(src[d]) * fscale;
         }
         rt.first_pos = first + row0 / G;
         rt.keys = first + (row0 + rows - 1) / G + 1;
@@ -305,14 +312,30 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         // keys past the unit's last row read a zero row: a key group may run past them, masked
         for (int64_t i = 0; i < kTile; ++i) {
           const int64_t key = k0 + i;
-          krow[i] = key < tile_end ? kp + key_offset(key) : zeros.data();
-          vrow[i] = key < tile_end ? vp + key_offset(key) : zeros.data();
+          if (key >= tile_end) {
+            krow[i] = vrow[i] = zeros.data();
+          } else if constexpr (widen) {
+            const Elem* ks = kp + key_offset(key);
+            const Elem* vs = vp + key_offset(key);
+            float* kd = kwide.data() + i * D;
+            float* vd = vwide.data() + i * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) {
+              kd[d] = to_float(ks[d]);
+              vd[d] = to_float(vs[d]);
+            }
+            krow[i] = kd;
+            vrow[i] = vd;
+          } else {
+            krow[i] = kp + key_offset(key);
+            vrow[i] = vp + key_offset(key);
+          }
         }
         // the next key tile's K/V toward L2 while this one computes (a layer's K/V lie in small
         // pieces far apart in the pool, which the hardware prefetcher does not follow)
         for (int64_t key = tile_end; key < std::min(unit.keys, tile_end + kTile); ++key) {
           const int64_t offset = key_offset(key);
-          for (int64_t d = 0; d < D; d += 16) {
+          for (int64_t d = 0; d < D; d += 64 / static_cast<int64_t>(sizeof(Elem))) {  // a cache line
             __builtin_prefetch(kp + offset + d, 0, 2);
             __builtin_prefetch(vp + offset + d, 0, 2);
           }
@@ -348,7 +371,21 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       }
     }
   });
-  return out;
+  return std::is_same_v<Q, float> ? out : out.to(q.scalar_type());
+}
+
+at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& tables, const at::Tensor& q_start, const at::Tensor& ctx_lens,
+                           double scale, int64_t row_tiles) {
+  const kvgate::PagedInputs in = kvgate::check_paged_inputs(q, k_cache, v_cache, tables, q_start, ctx_lens, true);
+  TORCH_CHECK(row_tiles >= 1, "row_tiles must be positive");
+  TORCH_CHECK(in.D % kKeys == 0 && in.D % 8 == 0, "head size must be a multiple of 8");
+  const bool bf16_q = q.scalar_type() == at::kBFloat16, bf16_kv = k_cache.scalar_type() == at::kBFloat16;
+  if (bf16_kv)
+    return bf16_q ? chunk_attention_of<bf16, bf16>(q, k_cache, v_cache, in, scale, row_tiles)
+                  : chunk_attention_of<bf16, float>(q, k_cache, v_cache, in, scale, row_tiles);
+  return bf16_q ? chunk_attention_of<float, bf16>(q, k_cache, v_cache, in, scale, row_tiles)
+                : chunk_attention_of<float, float>(q, k_cache, v_cache, in, scale, row_tiles);
 }
 
 }  // namespace

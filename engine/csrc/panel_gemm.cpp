@@ -40,6 +40,7 @@
 #include <cstring>
 #include <utility>
 
+#include "panel_schedule.h"
 #include "vec_math.h"
 
 namespace {
@@ -186,19 +187,6 @@ at::Tensor pack_panels(const at::Tensor& weight, bool gated) {
   return out;
 }
 
-// How many row ranges to split M into so that `units` x ranges work items share out evenly over
-// `threads` (1 where the units alone do; at most 8).
-int64_t row_parts(int64_t units, int64_t threads) {
-  int64_t best = 1;
-  double best_share = 0.0;
-  for (int64_t parts = 1; parts <= 8; ++parts) {
-    const int64_t items = units * parts;
-    const double share = static_cast<double>(items) / (((items + threads - 1) / threads) * threads);
-    if (share > best_share + 0.02) best = parts, best_share = share;
-  }
-  return best;
-}
-
 // x [M, K] times panels; `out`: what the tiles write (a gated layer's halves split into [M, 2 I]
 // for kSplit, SiLU(gate) * up [M, I] for kSiluMul). out_features: N (kPlain) or I.
 at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
@@ -248,23 +236,12 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const std::
     });
     return y;
   }
-  // units of two panels (the last one alone where P is odd), each over `parts` row ranges
-  const int64_t units = (P + 1) / 2;
-  const int64_t parts = std::min(row_parts(units, at::get_num_threads()), (M + kWideRows - 1) / kWideRows);
-  const int64_t part_rows = ((M + parts - 1) / parts + kWideRows - 1) / kWideRows * kWideRows;
-  at::parallel_for(0, units * parts, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t u = i / parts, m0 = (i % parts) * part_rows, m1 = std::min(M, m0 + part_rows);
-      const int64_t p = 2 * u;
-      const float* ahead = p + 4 < P && M >= kWideRows ? wp + (p + 4) * stride : nullptr;
-      for (int64_t r0 = m0; r0 < m1; r0 += kWideRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kWideRows, m1 - r0));
-        if (p + 1 < P)
-          run(Two{}, p, r0, rows, r0 == m0 ? ahead : nullptr);
-        else
-          run(One{}, p, r0, rows, nullptr);
-      }
-    }
+  kvgate::for_each_panel_pair(P, M, kWideRows, [&](int64_t p, int64_t r0, int rows, bool first, bool pair) {
+    const float* ahead = first && p + 4 < P && M >= kWideRows ? wp + (p + 4) * stride : nullptr;
+    if (pair)
+      run(Two{}, p, r0, rows, ahead);
+    else
+      run(One{}, p, r0, rows, nullptr);
   });
   return y;
 }

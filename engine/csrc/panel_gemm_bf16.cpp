@@ -38,6 +38,7 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#include "panel_schedule.h"
 #include "vec_math.h"
 #endif
 
@@ -192,17 +193,6 @@ TileFn tile_of(int rows, Out out) {
          : out == Out::kSplit ? tile_for<V, Out::kSplit>(rows, sizes)
                               : tile_for<V, Out::kSiluMul>(rows, sizes);
 }
-
-int64_t row_parts(int64_t units, int64_t threads) {
-  int64_t best = 1;
-  double best_share = 0.0;
-  for (int64_t parts = 1; parts <= 8; ++parts) {
-    const int64_t items = units * parts;
-    const double share = static_cast<double>(items) / (((items + threads - 1) / threads) * threads);
-    if (share > best_share + 0.02) best = parts, best_share = share;
-  }
-  return best;
-}
 #endif
 
 at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
@@ -243,22 +233,12 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const std::
   };
   using One = std::integral_constant<int, 1>;
   using Two = std::integral_constant<int, 2>;
-  const int64_t units = (P + 1) / 2;
-  const int64_t parts = std::min(row_parts(units, at::get_num_threads()), (M + kRows - 1) / kRows);
-  const int64_t part_rows = ((M + parts - 1) / parts + kRows - 1) / kRows * kRows;
-  at::parallel_for(0, units * parts, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t u = i / parts, m0 = (i % parts) * part_rows, m1 = std::min(M, m0 + part_rows);
-      const int64_t p = 2 * u;
-      const bf16* ahead = p + 4 < P && M >= kRows ? wp + (p + 4) * stride : nullptr;
-      for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRows, m1 - r0));
-        if (p + 1 < P)
-          run(Two{}, p, r0, rows, r0 == m0 ? ahead : nullptr);
-        else
-          run(One{}, p, r0, rows, nullptr);
-      }
-    }
+  kvgate::for_each_panel_pair(P, M, kRows, [&](int64_t p, int64_t r0, int rows, bool first, bool pair) {
+    const bf16* ahead = first && p + 4 < P && M >= kRows ? wp + (p + 4) * stride : nullptr;
+    if (pair)
+      run(Two{}, p, r0, rows, ahead);
+    else
+      run(One{}, p, r0, rows, nullptr);
   });
 #endif
   return y;

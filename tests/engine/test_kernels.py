@@ -561,21 +561,39 @@ def test_kernel_over_a_bfloat16_pool_matches_sdpa_in_float32(spans: list[tuple[i
 
 
 @needs_kernel
-def test_the_chunk_kernel_refuses_a_bfloat16_pool_with_a_clear_error() -> None:
-    k_cache, v_cache = (t.bfloat16() for t in _pool(3, 64))
-    with pytest.raises(RuntimeError, match="float32"):
-        chunk_op(torch.randn(20, 9, 64).bfloat16(), k_cache, v_cache, torch.tensor([[0, 1]]),
-                 torch.tensor([0, 20]), torch.tensor([20]), 0.125, 2)
+@given(spans=st.lists(st.integers(1, 120).flatmap(lambda n: st.tuples(st.just(n), st.integers(n, 300))),
+                      min_size=1, max_size=3),
+       row_tiles=st.integers(1, 3), seed=st.integers(0, 2**16))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_chunk_kernel_over_a_bfloat16_pool_matches_sdpa_in_float32(spans: list[tuple[int, int]], row_tiles: int,
+                                                                   seed: int) -> None:
+    """bfloat16 q and pool in the chunk kernel: widened to float32, summed in float32, rounded once."""
+    k_cache, v_cache = (t.bfloat16() for t in _pool(3, 64, seed=seed))
+    rng = random.Random(seed)
+    width = max(-(-ctx // BS) for _, ctx in spans)
+    tables = torch.tensor([rng.sample(range(k_cache.shape[0]), width) for _ in spans], dtype=torch.long)
+    q_start = torch.tensor([0] + [n for n, _ in spans]).cumsum(0)
+    ctx_lens = torch.tensor([ctx for _, ctx in spans])
+    q = torch.randn(int(q_start[-1]), 9, 64, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    expected = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, q_start, ctx_lens, 0.125)
+    got = chunk_op(q, k_cache, v_cache, tables, q_start, ctx_lens, 0.125, row_tiles)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+    # rounded once: within half a bfloat16 step of the float32 sums, which a float32 query gives
+    mixed = chunk_op(q.float(), k_cache, v_cache, tables, q_start, ctx_lens, 0.125, row_tiles)
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got, mixed.bfloat16())
 
 
 @needs_kernel
-def test_a_bfloat16_engine_runs_its_decodes_on_the_attention_kernel(tiny_model_dir) -> None:
+def test_a_bfloat16_engine_runs_its_steps_on_the_attention_kernels(tiny_model_dir) -> None:
     outputs = {}
     for native in (True, False):
         core = EngineCore(EngineConfig(model="tiny", dtype="bfloat16", num_blocks=64, device="cpu",
                                        native_kernels=native),
                           loaded=load_model(str(tiny_model_dir), dtype="bfloat16", device="cpu"))
-        assert (core.runner.paged_kernel is not None) is native and core.runner.chunk_kernel is None
+        assert (core.runner.paged_kernel is not None) is native and (core.runner.chunk_kernel is not None) is native
         core.add_request(GenerateRequest("a", list(range(5, 45)), SamplingParams(max_tokens=8, temperature=0,
                                                                                    ignore_eos=True)))
         tokens = []
