@@ -134,3 +134,16 @@ def test_serve_exits_1_with_one_line_when_the_model_cannot_load(tmp_path: Path,
     failures = [line for line in result.stderr.splitlines() if "model failed to load" in line]
     assert len(failures) == 1 and "model_type 'gpt2'" in failures[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_huge_pages_are_asked_for_unless_the_user_chose(monkeypatch) -> None:
+    import os
+
+    from app import cli
+
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    assert cli.main([]) == 2  # no subcommand: help, after the variable is set
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    cli.main([])
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"

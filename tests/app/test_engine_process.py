@@ -51,6 +51,14 @@ def test_engine_process_is_a_child_stepping_on_the_thread_that_loaded_it(server)
     assert ppid == server.proc.pid
     threads = metrics["engine_threads"]
     assert threads["step"] == threads["owner"]
+    # the KV pool and weights on transparent huge pages, where the kernel lets a process ask
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert b"THP_MEM_ALLOC_ENABLE=1" in environ
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        huge_kb = int(next(line for line in rollup.splitlines() if line.startswith("AnonHugePages:")).split()[1])
+        assert huge_kb >= 2048, rollup
 
 
 def _stream(url: str, events: list[str]) -> None:
