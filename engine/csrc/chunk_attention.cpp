@@ -126,6 +126,7 @@ struct Unit {
 // hold real rows (a tile of 12 rows computes one vector, not three).
 struct RowTile {
   std::vector<float> qt, ot;  // Q^T [D][R] (scaled), O^T [D][R]
+  std::vector<uint32_t> qt2;  // bfloat16 pairs: Q^T [D / 2][R] (unscaled; tile_over_keys_dot)
   vec m[kVecs], l[kVecs], pos[kVecs];
   int64_t first_pos = 0, keys = 0;  // position of its first row; keys its last row sees
   int vecs = kVecs;
@@ -231,11 +232,126 @@ void tile_over_keys(RowTile& rt, const float* const* krow, const float* const* v
   for (int64_t d0 = 0; d0 < D; d0 += kKeys) weigh_group<V>(vrow, st, padded, d0, rt.ot.data(), alpha, k0 == 0);
 }
 
+#if defined(__AVX512BF16__)
+// The same tile with bfloat16 q and pool on AVX512-BF16: `vdpbf16ps` adds two bfloat16 products
+// per float32 lane, so the scores take pairs of features and the weighing pairs of keys, each
+// half the loop of the float32 form. Q^T holds each row's features (unscaled: the scale goes on
+// the float32 scores) as pairs, [D / 2][R] 32-bit lanes of (even, odd); the weights P^T are
+// rounded to bfloat16 in pairs of keys, [keys / 2][R]; V^T as pairs of keys, [keys / 2][D]. Every
+// sum is float32, as PyTorch's bfloat16 flash attention does with its two matmuls.
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+template <int V, bool masked>
+inline void score_group_dot(const bf16* const* keys, const uint32_t* qt2, int64_t D, float* s, int64_t k0,
+                            const vec* pos, vec* mt, vec scale) {
+  __m512 acc[kKeys][V];
+#pragma GCC unroll 8
+  for (int u = 0; u < kKeys; ++u)
+#pragma GCC unroll 3
+    for (int v = 0; v < V; ++v) acc[u][v] = _mm512_setzero_ps();
+  for (int64_t d2 = 0; d2 < D / 2; ++d2) {
+    __m512bh b[V];
+#pragma GCC unroll 3
+    for (int v = 0; v < V; ++v) b[v] = as_bh(_mm512_loadu_si512(qt2 + d2 * kRows + v * kLanes));
+#pragma GCC unroll 8
+    for (int u = 0; u < kKeys; ++u) {
+      uint32_t pair;
+      std::memcpy(&pair, keys[u] + 2 * d2, sizeof pair);
+      const __m512bh a = as_bh(_mm512_set1_epi32(static_cast<int>(pair)));
+#pragma GCC unroll 3
+      for (int v = 0; v < V; ++v) acc[u][v] = _mm512_dpbf16_ps(acc[u][v], a, b[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int u = 0; u < kKeys; ++u)
+#pragma GCC unroll 3
+    for (int v = 0; v < V; ++v) {
+      vec x = reinterpret_cast<vec>(acc[u][v]) * scale;
+      if (masked) x = splat(static_cast<float>(k0 + u)) > pos[v] ? splat(kNegInf) : x;
+      mt[v] = vmax(mt[v], x);
+      store(s + u * kRows + v * kLanes, x);
+    }
+}
+
+template <int V>
+inline void weigh_group_dot(const uint32_t* vt2, const uint32_t* p2, int64_t n, int64_t D, int64_t d0, float* ot,
+                            const vec* alpha, bool first) {
+  __m512 acc[kKeys][V];
+#pragma GCC unroll 8
+  for (int u = 0; u < kKeys; ++u)
+#pragma GCC unroll 3
+    for (int v = 0; v < V; ++v)
+      acc[u][v] = first ? _mm512_setzero_ps()
+                        : reinterpret_cast<__m512>(load(ot + (d0 + u) * kRows + v * kLanes) * alpha[v]);
+  for (int64_t t2 = 0; t2 < n / 2; ++t2) {
+    __m512bh b[V];
+#pragma GCC unroll 3
+    for (int v = 0; v < V; ++v) b[v] = as_bh(_mm512_loadu_si512(p2 + t2 * kRows + v * kLanes));
+    const uint32_t* row = vt2 + t2 * D + d0;
+#pragma GCC unroll 8
+    for (int u = 0; u < kKeys; ++u) {
+      const __m512bh a = as_bh(_mm512_set1_epi32(static_cast<int>(row[u])));
+#pragma GCC unroll 3
+      for (int v = 0; v < V; ++v) acc[u][v] = _mm512_dpbf16_ps(acc[u][v], a, b[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int u = 0; u < kKeys; ++u)
+#pragma GCC unroll 3
+    for (int v = 0; v < V; ++v) store(ot + (d0 + u) * kRows + v * kLanes, reinterpret_cast<vec>(acc[u][v]));
+}
+
+// Two float32 vectors of weights (keys t and t + 1 of 16 rows) as one of bfloat16 pairs.
+inline __m512i pair_bf16(vec p0, vec p1) {
+  const __m512i lo = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(p0))));
+  const __m512i hi = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(p1))));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+// tile_over_keys with the pairs above; `st`: scratch S^T (float32), `p2`: P^T pairs.
+template <int V>
+void tile_over_keys_dot(RowTile& rt, const bf16* const* krow, const uint32_t* vt2, int64_t k0, int64_t padded,
+                        int64_t D, float scale, float* st, uint32_t* p2) {
+  const bool masked = k0 + padded - 1 > rt.first_pos;
+  vec mt[V];
+  for (int v = 0; v < V; ++v) mt[v] = rt.m[v];
+  if (masked)
+    for (int64_t i = 0; i < padded; i += kKeys)
+      score_group_dot<V, true>(krow + i, rt.qt2.data(), D, st + i * kRows, k0 + i, rt.pos, mt, splat(scale));
+  else
+    for (int64_t i = 0; i < padded; i += kKeys)
+      score_group_dot<V, false>(krow + i, rt.qt2.data(), D, st + i * kRows, k0 + i, rt.pos, mt, splat(scale));
+  vec alpha[V];
+  for (int v = 0; v < V; ++v) {
+    alpha[v] = exp2_vec(rt.m[v] - mt[v]);
+    rt.m[v] = mt[v];
+    vec sum{};
+    for (int64_t i = 0; i < padded; i += 2) {  // padded is a multiple of kKeys: whole pairs
+      const vec x0 = load(st + i * kRows + v * kLanes), x1 = load(st + (i + 1) * kRows + v * kLanes);
+      const vec q0 = x0 == splat(kNegInf) ? vec{} : exp2_vec(x0 - mt[v]);
+      const vec q1 = x1 == splat(kNegInf) ? vec{} : exp2_vec(x1 - mt[v]);
+      sum += q0 + q1;
+      _mm512_storeu_si512(p2 + (i / 2) * kRows + v * kLanes, pair_bf16(q0, q1));
+    }
+    rt.l[v] = rt.l[v] * alpha[v] + sum;
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += kKeys) weigh_group_dot<V>(vt2, p2, padded, D, d0, rt.ot.data(), alpha, k0 == 0);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+constexpr bool kDotBuilt = true;
+#else
+constexpr bool kDotBuilt = false;
+#endif
+
 // Elem: the pool's element type (float or bf16); Q: q's.
 template <typename Elem, typename Q>
 at::Tensor chunk_attention_of(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const kvgate::PagedInputs& in, double scale, int64_t row_tiles) {
-  constexpr bool widen = !std::is_same_v<Elem, float>;  // key tiles go through a float32 scratch
+  constexpr bool dot = kDotBuilt && std::is_same_v<Elem, bf16> && std::is_same_v<Q, bf16>;  // tile_over_keys_dot
+  // otherwise a bfloat16 pool's key tiles go through a float32 scratch
+  constexpr bool widen = !dot && !std::is_same_v<Elem, float>;
   const int64_t T = in.T, H = in.H, D = in.D, BS = in.BS, KV = in.KV, G = in.G, S = in.S, W = in.W;
   const int64_t *starts = in.starts, *lens = in.lens, *table = in.table;
 
@@ -261,18 +377,22 @@ at::Tensor chunk_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
   const int64_t block_stride = k_cache.stride(0);
   const float fscale = static_cast<float>(scale) * 1.44269504088896341f;  // log2(e): see exp2_vec
   const std::vector<float> zeros(D, 0.0f);
+  const std::vector<Elem> zero_keys(D, Elem{});
   std::atomic<int64_t> next{0};
   const int64_t total = static_cast<int64_t>(units.size());
 
   at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total)), 1, [&](int64_t, int64_t) {
     std::vector<RowTile> tiles(row_tiles);
     for (RowTile& rt : tiles) {
-      rt.qt.resize(D * kRows);
+      rt.qt.resize(dot ? 0 : D * kRows);
+      rt.qt2.resize(dot ? D / 2 * kRows : 0);
       rt.ot.resize(D * kRows);
     }
     std::vector<float> scores(kTile * kRows);  // S^T, then P^T, of one row tile and key tile
     std::vector<const float*> krow(kTile), vrow(kTile);
     std::vector<float> kwide(widen ? kTile * D : 0), vwide(widen ? kTile * D : 0);
+    std::vector<const Elem*> keys_at(dot ? kTile : 0);  // dot: K rows where they lie
+    std::vector<uint32_t> vt2(dot ? kTile / 2 * D : 0), p2(dot ? kTile / 2 * kRows : 0);  // V^T, P^T pairs
     for (int64_t u = next.fetch_add(1); u < total; u = next.fetch_add(1)) {
       const Unit& unit = units[u];
       const int64_t s = unit.span, h = unit.kv_head, n = starts[s + 1] - starts[s], ctx = lens[s];
@@ -290,11 +410,17 @@ at::Tensor chunk_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
         for (int64_t r = 0; r < kRows; ++r) {
           const int64_t j = row0 + std::min<int64_t>(r, rows - 1);
           pos[r] = static_cast<float>(first + j / G);
+          const Q* src = qp + (starts[s] + j / G) * q_row + (h * G + j % G) * D;
+          if constexpr (dot) {
+            uint32_t* qt2 = rt.qt2.data();
+            for (int64_t d2 = 0; d2 < D / 2; ++d2)
+              qt2[d2 * kRows + r] = r >= rows ? 0u : src[2 * d2] | static_cast<uint32_t>(src[2 * d2 + 1]) << 16;
+            continue;
+          }
           if (r >= rows) {
             for (int64_t d = 0; d < D; ++d) qt[d * kRows + r] = 0.0f;
             continue;
           }
-          const Q* src = qp + (starts[s] + j / G) * q_row + (h * G + j % G) * D;
           for (int64_t d = 0; d < D; ++d) qt[d * kRows + r] = to_float(src[d]) * fscale;
         }
         rt.first_pos = first + row0 / G;
@@ -312,7 +438,16 @@ at::Tensor chunk_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
         // keys past the unit's last row read a zero row: a key group may run past them, masked
         for (int64_t i = 0; i < kTile; ++i) {
           const int64_t key = k0 + i;
-          if (key >= tile_end) {
+          if constexpr (dot) {
+            keys_at[i] = key < tile_end ? kp + key_offset(key) : zero_keys.data();
+            if (i % 2 == 1) {  // V^T pairs of keys i - 1 and i
+              const Elem* v0 = key - 1 < tile_end ? vp + key_offset(key - 1) : zero_keys.data();
+              const Elem* v1 = key < tile_end ? vp + key_offset(key) : zero_keys.data();
+              uint32_t* dst = vt2.data() + (i / 2) * D;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) dst[d] = v0[d] | static_cast<uint32_t>(v1[d]) << 16;
+            }
+          } else if (key >= tile_end) {
             krow[i] = vrow[i] = zeros.data();
           } else if constexpr (widen) {
             const Elem* ks = kp + key_offset(key);
@@ -349,6 +484,18 @@ at::Tensor chunk_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
           const int64_t kt = std::min<int64_t>(tile_end, rt.keys) - k0;
           const int64_t padded = (kt + kKeys - 1) / kKeys * kKeys;
           static_assert(kVecs == 3, "the dispatch below spells out 1 to 3 vectors");
+#if defined(__AVX512BF16__)
+          if constexpr (dot) {
+            const bf16* const* kr = reinterpret_cast<const bf16* const*>(keys_at.data());
+            if (rt.vecs == 3)
+              tile_over_keys_dot<3>(rt, kr, vt2.data(), k0, padded, D, fscale, st, p2.data());
+            else if (rt.vecs == 2)
+              tile_over_keys_dot<2>(rt, kr, vt2.data(), k0, padded, D, fscale, st, p2.data());
+            else
+              tile_over_keys_dot<1>(rt, kr, vt2.data(), k0, padded, D, fscale, st, p2.data());
+            continue;
+          }
+#endif
           if (rt.vecs == 3)
             tile_over_keys<3>(rt, krow.data(), vrow.data(), k0, padded, D, st);
           else if (rt.vecs == 2)
