@@ -64,6 +64,8 @@ environment:
   CXX               C++ compiler for those kernels (default c++ or g++ on PATH)
   KVGATE_SECRET     server secret for tenant salts when [server] secret is absent
   HF_HUB_OFFLINE=1  a hub id is served only from the local Hugging Face cache (no network)
+  THP_MEM_ALLOC_ENABLE  1 (set unless given): torch puts the KV pool and weights on transparent
+                    huge pages where the kernel allows; 0 keeps 4 KiB pages
 
 KV-cache tiers: device blocks evicted from the pool move to CPU memory (--host-cache-mb, on
   by default), then to files on disk (--disk-cache, on by default); with --remote-cache they are

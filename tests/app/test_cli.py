@@ -24,7 +24,8 @@ def test_help_lists_commands_and_flags() -> None:
     assert top.returncode == 0 and "serve" in top.stdout and "build-tiny-model" in top.stdout
     serve = _run("serve", "--help")
     for flag in ("--config", "--model", "--host", "--port", "KVGATE_CONFIG", "KVGATE_CACHE_DIR",
-                 "max_fanout", "docs (public|auth|off", "exit status", "second one exits at once"):
+                 "max_fanout", "docs (public|auth|off", "exit status", "second one exits at once",
+                 "THP_MEM_ALLOC_ENABLE"):
         assert flag in serve.stdout, flag
     tiny = _run("build-tiny-model", "--help")
     assert all(flag in tiny.stdout for flag in ("DIR", "--seed", "--size"))
