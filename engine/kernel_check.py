@@ -180,18 +180,24 @@ def _paged_attention(ops: Any, rand: Any) -> None:
            paged_attention_reference(q, k_cache, v_cache, tables, q_start, ctx_lens, scale))
 
 
-def _paged_attention_bf16(ops: Any, rand: Any) -> None:
-    """A bfloat16 query over a bfloat16 pool: computed in float32, rounded once at the end."""
+def _bf16_attention(op: Any, rand: Any, blocks: int, tables: list[list[int]], q_start: list[int],
+                    ctx_lens: list[int], last: int) -> None:
+    """``op`` (an attention kernel, its last argument ``last``) on a bfloat16 query over a bfloat16
+    pool: within bfloat16 rounding of SDPA in float32 on the same values, and bfloat16 back."""
     heads, kv_heads, dim, block = 6, 2, 64, 8
-    k_cache, v_cache = (rand(6, block, kv_heads, dim).bfloat16() for _ in range(2))
-    tables = torch.tensor([[4, 1, 5], [2, 0, 0]])
-    q_start, ctx_lens = torch.tensor([0, 3, 4]), torch.tensor([21, 9])
-    q = rand(4, heads, dim).bfloat16()
+    k_cache, v_cache = (rand(blocks, block, kv_heads, dim).bfloat16() for _ in range(2))
+    table_t, starts, lens = torch.tensor(tables), torch.tensor(q_start), torch.tensor(ctx_lens)
+    q = rand(q_start[-1], heads, dim).bfloat16()
     scale = dim ** -0.5
-    got = ops.paged_attention(q, k_cache, v_cache, tables, q_start, ctx_lens, scale, 16)
-    expected = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, q_start, ctx_lens, scale)
+    got = op(q, k_cache, v_cache, table_t, starts, lens, scale, last)
+    expected = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), table_t, starts, lens, scale)
     assert got.dtype == torch.bfloat16, got.dtype
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+def _paged_attention_bf16(ops: Any, rand: Any) -> None:
+    """The few-row kernel's spans (below) in bfloat16."""
+    _bf16_attention(ops.paged_attention, rand, 6, [[4, 1, 5], [2, 0, 0]], [0, 3, 4], [21, 9], 16)
 
 
 def _chunk_attention(ops: Any, rand: Any) -> None:
@@ -208,14 +214,6 @@ def _chunk_attention(ops: Any, rand: Any) -> None:
 
 
 def _chunk_attention_bf16(ops: Any, rand: Any) -> None:
-    """The same spans with a bfloat16 query and pool: computed in float32, rounded once at the end."""
-    heads, kv_heads, dim, block = 6, 2, 64, 8
-    k_cache, v_cache = (rand(12, block, kv_heads, dim).bfloat16() for _ in range(2))
-    tables = torch.tensor([[4, 1, 5, 9, 2, 11, 3, 0, 7, 10], [6, 8, 0, 0, 0, 0, 0, 0, 0, 0]])
-    q_start, ctx_lens = torch.tensor([0, 20, 29]), torch.tensor([75, 9])
-    q = rand(29, heads, dim).bfloat16()
-    scale = dim ** -0.5
-    got = ops.chunk_attention(q, k_cache, v_cache, tables, q_start, ctx_lens, scale, 2)
-    expected = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, q_start, ctx_lens, scale)
-    assert got.dtype == torch.bfloat16, got.dtype
-    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+    """The chunk kernel's spans (above) in bfloat16."""
+    _bf16_attention(ops.chunk_attention, rand, 12, [[4, 1, 5, 9, 2, 11, 3, 0, 7, 10], [6, 8] + [0] * 8],
+                    [0, 20, 29], [75, 9], 2)

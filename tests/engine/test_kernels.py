@@ -537,13 +537,8 @@ def test_the_calibration_ops_measure_positive_rates_and_refuse_bad_input() -> No
         ops.fma_peak(0)
 
 
-@needs_kernel
-@given(spans=st.lists(st.tuples(st.integers(1, 8), st.integers(0, 70)), min_size=1, max_size=4),
-       seed=st.integers(0, 2**16))
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_kernel_over_a_bfloat16_pool_matches_sdpa_in_float32(spans: list[tuple[int, int]], seed: int) -> None:
-    """bfloat16 q and pool: read as float32, summed in float32, the output rounded once."""
-    spans = [(n, n + extra) for n, extra in spans]
+def _bf16_inputs(spans: list[tuple[int, int]], seed: int):
+    """A bfloat16 query (9 heads over 3 KV heads of 64) and pool for `spans` ((rows, context) each)."""
     k_cache, v_cache = (t.bfloat16() for t in _pool(3, 64, seed=seed))
     rng = random.Random(seed)
     width = max(-(-ctx // BS) for _, ctx in spans)
@@ -551,6 +546,16 @@ def test_kernel_over_a_bfloat16_pool_matches_sdpa_in_float32(spans: list[tuple[i
     q_start = torch.tensor([0] + [n for n, _ in spans]).cumsum(0)
     ctx_lens = torch.tensor([ctx for _, ctx in spans])
     q = torch.randn(int(q_start[-1]), 9, 64, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    return q, k_cache, v_cache, tables, q_start, ctx_lens
+
+
+@needs_kernel
+@given(spans=st.lists(st.tuples(st.integers(1, 8), st.integers(0, 70)), min_size=1, max_size=4),
+       seed=st.integers(0, 2**16))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_kernel_over_a_bfloat16_pool_matches_sdpa_in_float32(spans: list[tuple[int, int]], seed: int) -> None:
+    """bfloat16 q and pool: read as float32, summed in float32, the output rounded once."""
+    q, k_cache, v_cache, tables, q_start, ctx_lens = _bf16_inputs([(n, n + extra) for n, extra in spans], seed)
     got = op(q, k_cache, v_cache, tables, q_start, ctx_lens, 0.125, 32)
     expected = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, q_start, ctx_lens, 0.125)
     assert got.dtype == torch.bfloat16
@@ -570,13 +575,7 @@ def test_chunk_kernel_over_a_bfloat16_pool_matches_sdpa_in_float32(spans: list[t
     """bfloat16 q and pool in the chunk kernel: float32 sums (with AVX512-BF16, `vdpbf16ps` on
     pairs, the weights rounded to bfloat16 as PyTorch's bfloat16 flash attention rounds them;
     else the pool widened to float32), the output rounded once."""
-    k_cache, v_cache = (t.bfloat16() for t in _pool(3, 64, seed=seed))
-    rng = random.Random(seed)
-    width = max(-(-ctx // BS) for _, ctx in spans)
-    tables = torch.tensor([rng.sample(range(k_cache.shape[0]), width) for _ in spans], dtype=torch.long)
-    q_start = torch.tensor([0] + [n for n, _ in spans]).cumsum(0)
-    ctx_lens = torch.tensor([ctx for _, ctx in spans])
-    q = torch.randn(int(q_start[-1]), 9, 64, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    q, k_cache, v_cache, tables, q_start, ctx_lens = _bf16_inputs(spans, seed)
     expected = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, q_start, ctx_lens, 0.125)
     got = chunk_op(q, k_cache, v_cache, tables, q_start, ctx_lens, 0.125, row_tiles)
     assert got.dtype == torch.bfloat16
