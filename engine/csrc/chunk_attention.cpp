@@ -1,7 +1,8 @@
 // Attention of prefill chunks (many query rows per sequence) over their paged context, on CPU:
 // the rows of a prompt whose prefix was a cache hit, and whole cold prompts. q and the pool are
-// float32 or bfloat16; every product and sum is float32 (a bfloat16 key tile is widened once into
-// a float32 scratch that all the unit's row tiles read), and a bfloat16 q gets bfloat16 rows back.
+// float32 or bfloat16 and every sum is float32: bfloat16 q and pool multiply on `vdpbf16ps` where
+// the build has AVX512-BF16 (tile_over_keys_dot), else a bfloat16 key tile is widened once into a
+// float32 scratch that all the unit's row tiles read; a bfloat16 q gets bfloat16 rows back.
 //
 // PyTorch's flash attention needs the context gathered into a contiguous copy first and runs its
 // small GEMMs well below the machine's matmul rate on these shapes (docs/engine.md). This kernel
@@ -113,9 +114,8 @@ inline vec exp2_vec(vec x) {
 
 inline vec vmax(vec a, vec b) { return a > b ? a : b; }
 
-using bf16 = uint16_t;
-inline float to_float(float x) { return x; }
-inline float to_float(bf16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+using kvgate::bf16;
+using kvgate::to_float;
 
 // Rows of one KV head a unit computes: up to row_tiles tiles of kRows rows.
 struct Unit {
@@ -527,12 +527,9 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const kvgate::PagedInputs in = kvgate::check_paged_inputs(q, k_cache, v_cache, tables, q_start, ctx_lens, true);
   TORCH_CHECK(row_tiles >= 1, "row_tiles must be positive");
   TORCH_CHECK(in.D % kKeys == 0 && in.D % 8 == 0, "head size must be a multiple of 8");
-  const bool bf16_q = q.scalar_type() == at::kBFloat16, bf16_kv = k_cache.scalar_type() == at::kBFloat16;
-  if (bf16_kv)
-    return bf16_q ? chunk_attention_of<bf16, bf16>(q, k_cache, v_cache, in, scale, row_tiles)
-                  : chunk_attention_of<bf16, float>(q, k_cache, v_cache, in, scale, row_tiles);
-  return bf16_q ? chunk_attention_of<float, bf16>(q, k_cache, v_cache, in, scale, row_tiles)
-                : chunk_attention_of<float, float>(q, k_cache, v_cache, in, scale, row_tiles);
+  return kvgate::by_element_types(q, k_cache, [&](auto elem, auto q_elem) {
+    return chunk_attention_of<decltype(elem), decltype(q_elem)>(q, k_cache, v_cache, in, scale, row_tiles);
+  });
 }
 
 }  // namespace

@@ -40,11 +40,9 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// The pool holds float32 or bfloat16 K/V; either is read as float32 (bfloat16: the upper half of
-// a float32's bits) and every sum is float32.
-using bf16 = uint16_t;
-inline float to_float(float x) { return x; }
-inline float to_float(bf16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+// The pool holds float32 or bfloat16 K/V; either is read as float32 and every sum is float32.
+using kvgate::bf16;
+using kvgate::to_float;
 
 // exp of scores shifted by their max (<= 0; -inf for masked keys, whose weight is 0).
 inline void exp_nonpositive(float* x, int64_t n) {
@@ -265,12 +263,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const kvgate::PagedInputs in = kvgate::check_paged_inputs(q, k_cache, v_cache, tables, q_start, ctx_lens, true);
   TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
   TORCH_CHECK(split_tokens > 0, "split_tokens must be positive");
-  const bool bf16_q = q.scalar_type() == at::kBFloat16, bf16_kv = k_cache.scalar_type() == at::kBFloat16;
-  if (bf16_kv)
-    return bf16_q ? paged_attention_of<bf16, bf16>(q, k_cache, v_cache, in, scale, split_tokens)
-                  : paged_attention_of<bf16, float>(q, k_cache, v_cache, in, scale, split_tokens);
-  return bf16_q ? paged_attention_of<float, bf16>(q, k_cache, v_cache, in, scale, split_tokens)
-                : paged_attention_of<float, float>(q, k_cache, v_cache, in, scale, split_tokens);
+  return kvgate::by_element_types(q, k_cache, [&](auto elem, auto q_elem) {
+    return paged_attention_of<decltype(elem), decltype(q_elem)>(q, k_cache, v_cache, in, scale, split_tokens);
+  });
 }
 
 }  // namespace

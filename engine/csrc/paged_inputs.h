@@ -15,6 +15,21 @@
 
 namespace kvgate {
 
+// A bfloat16 value as the kernels hold it (its bits), and either element type read as float32
+// (bfloat16: the upper half of a float32's bits).
+using bf16 = uint16_t;
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+
+// kernel(Elem{}, Q{}) for the element types of the pool (k_cache) and of q, each float or bf16:
+// how both kernels pick their template instance.
+template <typename Kernel>
+at::Tensor by_element_types(const at::Tensor& q, const at::Tensor& k_cache, const Kernel& kernel) {
+  const bool bf16_q = q.scalar_type() == at::kBFloat16;
+  if (k_cache.scalar_type() == at::kBFloat16) return bf16_q ? kernel(bf16{}, bf16{}) : kernel(bf16{}, float{});
+  return bf16_q ? kernel(float{}, bf16{}) : kernel(float{}, float{});
+}
+
 struct PagedInputs {
   int64_t T, H, D, BS, KV, G, S, W, NB, block_stride;
   const int64_t* starts;
