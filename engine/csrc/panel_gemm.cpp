@@ -225,7 +225,6 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const std::
                           out == Out::kSplit ? yr + N : nullptr, width, cols);
   };
   using One = std::integral_constant<int, 1>;
-  using Two = std::integral_constant<int, 2>;
   if (!kTwoPanels || P < 2) {
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
@@ -236,13 +235,7 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const std::
     });
     return y;
   }
-  kvgate::for_each_panel_pair(P, M, kWideRows, [&](int64_t p, int64_t r0, int rows, bool first, bool pair) {
-    const float* ahead = first && p + 4 < P && M >= kWideRows ? wp + (p + 4) * stride : nullptr;
-    if (pair)
-      run(Two{}, p, r0, rows, ahead);
-    else
-      run(One{}, p, r0, rows, nullptr);
-  });
+  kvgate::for_each_panel_pair(P, M, kWideRows, wp, stride, run);
   return y;
 }
 

@@ -231,15 +231,7 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const std::
     tile_of<V>(rows, out)(xp + r0 * ldx, ldx, wp + p * stride, stride, K2, ahead, bp, bu, yr,
                           out == Out::kSplit ? yr + N : nullptr, width, cols);
   };
-  using One = std::integral_constant<int, 1>;
-  using Two = std::integral_constant<int, 2>;
-  kvgate::for_each_panel_pair(P, M, kRows, [&](int64_t p, int64_t r0, int rows, bool first, bool pair) {
-    const bf16* ahead = first && p + 4 < P && M >= kRows ? wp + (p + 4) * stride : nullptr;
-    if (pair)
-      run(Two{}, p, r0, rows, ahead);
-    else
-      run(One{}, p, r0, rows, nullptr);
-  });
+  kvgate::for_each_panel_pair(P, M, kRows, wp, stride, run);
 #endif
   return y;
 }

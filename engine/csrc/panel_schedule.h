@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace kvgate {
 
@@ -23,11 +24,14 @@ inline int64_t row_parts(int64_t units, int64_t threads) {
   return best;
 }
 
-// Calls tile(p, r0, rows, first, pair) for every tile of P panels over M rows, in parallel: panel
-// p (and p + 1 where `pair`) over rows [r0, r0 + rows); `first` for the first tile of a range,
-// which is the one that prefetches the unit after next.
-template <typename Tile>
-void for_each_panel_pair(int64_t P, int64_t M, int64_t tile_rows, const Tile& tile) {
+// Every tile of P panels over M rows, in parallel: run(Two{}, p, r0, rows, ahead) for panels p and
+// p + 1 over rows [r0, r0 + rows), run(One{}, ...) for a last odd panel. `ahead` is the panel
+// pair after next (from `panels`, `stride` elements apart) for the first tile of each range to
+// prefetch while the pair stays in L2, else nullptr.
+template <typename Elem, typename Run>
+void for_each_panel_pair(int64_t P, int64_t M, int64_t tile_rows, const Elem* panels, int64_t stride, const Run& run) {
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
   const int64_t units = (P + 1) / 2;
   const int64_t parts = std::min(row_parts(units, at::get_num_threads()), (M + tile_rows - 1) / tile_rows);
   const int64_t part_rows = ((M + parts - 1) / parts + tile_rows - 1) / tile_rows * tile_rows;
@@ -35,8 +39,14 @@ void for_each_panel_pair(int64_t P, int64_t M, int64_t tile_rows, const Tile& ti
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t u = i / parts, m0 = (i % parts) * part_rows, m1 = std::min(M, m0 + part_rows);
       const int64_t p = 2 * u;
-      for (int64_t r0 = m0; r0 < m1; r0 += tile_rows)
-        tile(p, r0, static_cast<int>(std::min<int64_t>(tile_rows, m1 - r0)), r0 == m0, p + 1 < P);
+      const Elem* ahead = p + 4 < P && M >= tile_rows ? panels + (p + 4) * stride : nullptr;
+      for (int64_t r0 = m0; r0 < m1; r0 += tile_rows) {
+        const int rows = static_cast<int>(std::min<int64_t>(tile_rows, m1 - r0));
+        if (p + 1 < P)
+          run(Two{}, p, r0, rows, r0 == m0 ? ahead : nullptr);
+        else
+          run(One{}, p, r0, rows, static_cast<const Elem*>(nullptr));
+      }
     }
   });
 }
