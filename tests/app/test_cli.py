@@ -6,12 +6,14 @@ Failures that can be seen before anything slow starts (address in use, model not
 
 from __future__ import annotations
 
+import os
 import socket
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
+from app import cli
 from tests.app.conftest import KVGATE, ROOT, free_port
 
 
@@ -138,10 +140,6 @@ def test_serve_exits_1_with_one_line_when_the_model_cannot_load(tmp_path: Path,
 
 
 def test_huge_pages_are_asked_for_unless_the_user_chose(monkeypatch) -> None:
-    import os
-
-    from app import cli
-
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     assert cli.main([]) == 2  # no subcommand: help, after the variable is set
     assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
