@@ -1,10 +1,11 @@
 // Paged attention for few query rows per sequence (decodes, short prefill chunks) on CPU.
 //
-// Reads K/V where they lie in the block pool (no gather into a contiguous copy) and reads each
-// block once per KV head: the query heads that share a KV head (GQA) and the span's rows are
-// scored together. A sequence's context is cut into splits of `split_tokens` keys so that a
-// single long sequence still keeps every core busy; each split keeps its own softmax max, sum
-// and weighted values, merged at the end (the usual log-sum-exp combination).
+// A unit of work is one split of a sequence's context (`split_tokens` keys, fewer when there are
+// not enough splits to keep every core busy) for all of its rows and heads. A float32 split is
+// read where it lies in the block pool, a bfloat16 one copied out first (below). Each K/V row is
+// loaded once for the query heads that share its KV head (GQA, up to three at a time). Each
+// split keeps its own softmax max, sum and weighted values, merged at the end (the usual
+// log-sum-exp combination).
 //
 // Shapes (float32 or bfloat16 q and pool, computed in float32; the layouts engine/attention.py has):
 //   q          [T, H, D]                 contiguous; rows of span s are q_start[s] .. q_start[s+1]-1
@@ -74,9 +75,15 @@ inline void weigh_values_generic(const float* p, const KV* const* values, int64_
   }
 }
 
+#if defined(__AVX512VL__)
+constexpr int kMaxGroup = 3;  // 3 x 8 accumulators in the 32 vector registers AVX-512 gives
+#else
+constexpr int kMaxGroup = 1;  // 16 registers: one query at a time
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
-// The same two loops for head size 64 with AVX2: eight keys scored at once (eight accumulators,
-// one horizontal reduction per eight keys); the 64 output values held in eight registers.
+// Head size 64 with AVX2: eight keys scored at once (eight accumulators per query, one
+// horizontal reduction per eight keys); a query's 64 weighted values held in eight registers.
 inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
   const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
   const __m256 b2 = _mm256_hadd_ps(a4, a5), b3 = _mm256_hadd_ps(a6, a7);
@@ -93,53 +100,112 @@ inline __m256 load8(const bf16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-template <typename KV>
-inline void score_row_64(const float* q, const KV* const* keys, int64_t n, float* row) {
+// Scores of B queries (pointers q[b], already scaled, head size 64) against eight keys at once:
+// each K row is loaded once for all B queries; rows[b][t .. t+8) receive them.
+template <int B, typename KV>
+inline void score_keys8_64(const float* const* q, const KV* const* keys, float* const* rows, int64_t t) {
+  __m256 acc[B][8];
+  for (int b = 0; b < B; ++b)
+    for (int k = 0; k < 8; ++k) acc[b][k] = _mm256_setzero_ps();
+  for (int c = 0; c < 8; ++c) {
+    __m256 qv[B];
+    for (int b = 0; b < B; ++b) qv[b] = _mm256_loadu_ps(q[b] + c * 8);
+    for (int k = 0; k < 8; ++k) {
+      const __m256 kv = load8(keys[k] + c * 8);
+      for (int b = 0; b < B; ++b) acc[b][k] = _mm256_fmadd_ps(qv[b], kv, acc[b][k]);
+    }
+  }
+  for (int b = 0; b < B; ++b)
+    _mm256_storeu_ps(rows[b] + t, hsum8(acc[b][0], acc[b][1], acc[b][2], acc[b][3], acc[b][4], acc[b][5],
+                                        acc[b][6], acc[b][7]));
+}
+
+// out[b] = sum_t p[b][t] * V row t (head size 64) for t < n: each V row loaded once for all B.
+template <int B, typename KV>
+inline void weigh_group_64(const float* const* p, const KV* base, const int64_t* offsets, int64_t n,
+                           float* const* out) {
+  __m256 acc[B][8];
+  for (int b = 0; b < B; ++b)
+    for (int c = 0; c < 8; ++c) acc[b][c] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const KV* v = base + offsets[t];
+    __m256 w[B];
+    for (int b = 0; b < B; ++b) w[b] = _mm256_set1_ps(p[b][t]);
+    for (int c = 0; c < 8; ++c) {
+      const __m256 vv = load8(v + c * 8);
+      for (int b = 0; b < B; ++b) acc[b][c] = _mm256_fmadd_ps(w[b], vv, acc[b][c]);
+    }
+  }
+  for (int b = 0; b < B; ++b)
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out[b] + c * 8, acc[b][c]);
+}
+
+template <int B, typename KV>
+inline void score_group_64(const float* const* q, const KV* base, const int64_t* offsets, int64_t n,
+                           float* const* rows) {
+  const KV* keys[8];
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) {
-    __m256 acc[8];
-    for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
-    for (int c = 0; c < 8; ++c) {
-      const __m256 qv = _mm256_loadu_ps(q + c * 8);
-      for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qv, load8(keys[t + k] + c * 8), acc[k]);
-    }
-    _mm256_storeu_ps(row + t, hsum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]));
+    for (int k = 0; k < 8; ++k) keys[k] = base + offsets[t + k];
+    score_keys8_64<B>(q, keys, rows, t);
   }
-  if (t < n) score_row_generic(q, keys + t, n - t, 64, row + t);
-}
-
-template <typename KV>
-inline void weigh_values_64(const float* p, const KV* const* values, int64_t n, float* out) {
-  __m256 acc[8];
-  for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < n; ++t) {
-    const __m256 w = _mm256_set1_ps(p[t]);
-    const KV* v = values[t];
-    for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, load8(v + c * 8), acc[c]);
+  for (; t < n; ++t) {
+    keys[0] = base + offsets[t];
+    for (int b = 0; b < B; ++b) score_row_generic(q[b], keys, 1, 64, rows[b] + t);
   }
-  for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + c * 8, acc[c]);
 }
 #endif
+
+// Scores of a group of queries sharing a KV head against `n` keys (K rows at base + offsets[t]),
+// into rows[b][0 .. n).
+template <typename KV>
+inline void score_group(const float* const* q, int group, const KV* base, const int64_t* offsets, int64_t n,
+                        int64_t d, float* const* rows, std::vector<const KV*>& ptrs) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (d == 64) {
+    if (group == 3) return score_group_64<kMaxGroup == 3 ? 3 : 1>(q, base, offsets, n, rows);
+    if (group == 2 && kMaxGroup >= 2) return score_group_64<2>(q, base, offsets, n, rows);
+    return score_group_64<1>(q, base, offsets, n, rows);
+  }
+#endif
+  ptrs.resize(n);
+  for (int64_t t = 0; t < n; ++t) ptrs[t] = base + offsets[t];
+  for (int b = 0; b < group; ++b) score_row_generic(q[b], ptrs.data(), n, d, rows[b]);
+}
 
 template <typename KV>
-inline void score_row(const float* q, const KV* const* keys, int64_t n, int64_t d, float* row) {
+inline void weigh_group(const float* const* p, int group, const KV* base, const int64_t* offsets, int64_t n,
+                        int64_t d, float* const* out, std::vector<const KV*>& ptrs) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (d == 64) return score_row_64(q, keys, n, row);
+  if (d == 64) {
+    if (group == 3) return weigh_group_64<kMaxGroup == 3 ? 3 : 1>(p, base, offsets, n, out);
+    if (group == 2 && kMaxGroup >= 2) return weigh_group_64<2>(p, base, offsets, n, out);
+    return weigh_group_64<1>(p, base, offsets, n, out);
+  }
 #endif
-  score_row_generic(q, keys, n, d, row);
+  ptrs.resize(n);
+  for (int64_t t = 0; t < n; ++t) ptrs[t] = base + offsets[t];
+  for (int b = 0; b < group; ++b) weigh_values_generic(p[b], ptrs.data(), n, d, out[b]);
 }
 
-template <typename KV>
-inline void weigh_values(const float* p, const KV* const* values, int64_t n, int64_t d, float* out) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (d == 64) return weigh_values_64(p, values, n, out);
-#endif
-  weigh_values_generic(p, values, n, d, out);
-}
-
+// A unit: keys [key_begin, key_end) of one span, for all of its rows and heads.
 struct Unit {
-  int64_t span, kv_head, key_begin, key_end, partial;  // partial: first partial row of this unit
+  int64_t span, key_begin, key_end, partial;  // partial: the unit's first partial row (n * H of them)
 };
+
+// Keys per split: `split_tokens`, halved (down to 32) while there are fewer than two units per
+// thread, so that one or two long sequences still keep every core busy.
+inline int64_t split_size(const int64_t* lens, int64_t S, int64_t split_tokens) {
+  const int64_t want = 2 * at::get_num_threads();
+  int64_t split = split_tokens;
+  while (split > 32) {
+    int64_t units = 0;
+    for (int64_t s = 0; s < S; ++s) units += (lens[s] + split - 1) / split;
+    if (units >= want) break;
+    split = std::max<int64_t>(32, split / 2);
+  }
+  return split;
+}
 
 // Elem: float (a float32 pool) or bf16 (a bfloat16 pool); Q: float or bf16, q's element type.
 template <typename Elem, typename Q>
@@ -147,18 +213,21 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
                               const kvgate::PagedInputs& in, double scale, int64_t split_tokens) {
   const int64_t T = in.T, H = in.H, D = in.D, BS = in.BS, KV = in.KV, G = in.G, S = in.S, W = in.W;
   const int64_t *starts = in.starts, *lens = in.lens, *table = in.table;
+  const int64_t split = split_size(lens, S, split_tokens);
 
   std::vector<Unit> units;
+  std::vector<int64_t> first_unit(S + 1, 0);
   int64_t partials = 0, max_rows = 0;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = starts[s + 1] - starts[s], ctx = lens[s];
     max_rows = std::max(max_rows, n);
-    for (int64_t h = 0; h < KV; ++h)
-      for (int64_t k0 = 0; k0 < ctx; k0 += split_tokens) {
-        units.push_back({s, h, k0, std::min(ctx, k0 + split_tokens), partials});
-        partials += n * G;
-      }
+    first_unit[s] = static_cast<int64_t>(units.size());
+    for (int64_t k0 = 0; k0 < ctx; k0 += split) {
+      units.push_back({s, k0, std::min(ctx, k0 + split), partials});
+      partials += n * H;
+    }
   }
+  first_unit[S] = static_cast<int64_t>(units.size());
 
   const auto f32 = q.options().dtype(at::kFloat);
   auto out = at::empty({T, H, D}, f32);
@@ -173,70 +242,113 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qbuf(max_rows * G * D), row_buf;
-    std::vector<const Elem*> kptrs, vptrs;
+    std::vector<float> qbuf(max_rows * H * D), scores;
+    std::vector<int64_t> offsets;
+    std::vector<const Elem*> ptrs;
+    std::vector<Elem> kloc, vloc;
     for (int64_t u = begin; u < end; ++u) {
       const Unit& unit = units[u];
-      const int64_t s = unit.span, n = starts[s + 1] - starts[s], ctx = lens[s], nq = n * G;
+      const int64_t s = unit.span, n = starts[s + 1] - starts[s], ctx = lens[s];
       const int64_t keys = unit.key_end - unit.key_begin;
-      row_buf.resize(keys);
-      // query j = i * G + g: row starts[s] + i, head kv_head * G + g, already scaled
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          const Q* src = qp + ((starts[s] + i) * H + unit.kv_head * G + g) * D;
-          float* dst = qbuf.data() + (i * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * fscale;
+      // K/V rows of this split's keys lie in blocks far apart in the pool, each a few KiB that
+      // the hardware prefetcher does not reach in time: ask for all of them up front (the split
+      // fits in L2), then score and weigh them head by head.
+      offsets.resize(keys);
+      // A split's K/V lie in blocks far apart in the pool. A bfloat16 split is copied into a
+      // buffer of its own first: the copy streams the pieces in at memory speed, where scoring
+      // them in place waits on each (a float32 split, twice the bytes, gains nothing from it).
+      const Elem* kbase = kp;
+      const Elem* vbase = vp;
+      if constexpr (std::is_same_v<Elem, bf16>) {
+        const int64_t row = KV * D;
+        kloc.resize(keys * row);
+        vloc.resize(keys * row);
+        for (int64_t t = unit.key_begin; t < unit.key_end;) {
+          const int64_t run = std::min(unit.key_end, (t / BS + 1) * BS) - t;
+          const int64_t src = table[s * W + t / BS] * block_stride + (t % BS) * row;
+          std::memcpy(kloc.data() + (t - unit.key_begin) * row, kp + src, run * row * sizeof(Elem));
+          std::memcpy(vloc.data() + (t - unit.key_begin) * row, vp + src, run * row * sizeof(Elem));
+          t += run;
         }
-      kptrs.resize(keys);
-      vptrs.resize(keys);
-      for (int64_t t = unit.key_begin; t < unit.key_end; ++t) {
-        const int64_t offset = table[s * W + t / BS] * block_stride + ((t % BS) * KV + unit.kv_head) * D;
-        kptrs[t - unit.key_begin] = kp + offset;
-        vptrs[t - unit.key_begin] = vp + offset;
+        for (int64_t t = 0; t < keys; ++t) offsets[t] = t * row;
+        kbase = kloc.data();
+        vbase = vloc.data();
+      } else {
+        for (int64_t t = unit.key_begin; t < unit.key_end; ++t) {
+          const int64_t offset = table[s * W + t / BS] * block_stride + (t % BS) * KV * D;
+          offsets[t - unit.key_begin] = offset;
+        }
       }
-      for (int64_t j = 0; j < nq; ++j) {
-        // keys after row i's position are masked; a row sees keys < visible_end
-        const int64_t visible = std::min(keys, std::max<int64_t>(0, ctx - n + j / G + 1 - unit.key_begin));
-        float* row = row_buf.data();
-        score_row(qbuf.data() + j * D, kptrs.data(), visible, D, row);
-        float* ml = ml_all + (unit.partial + j) * 2;
-        float* acc = acc_all + (unit.partial + j) * D;
-        if (visible == 0) {  // this split lies wholly after the row's position
-          ml[0] = kNegInf;
-          ml[1] = 0.0f;
-          std::fill(acc, acc + D, 0.0f);
-          continue;
-        }
-        float m = kNegInf;
-        for (int64_t t = 0; t < visible; ++t) m = std::max(m, row[t]);
+      // query j = i * H + head: row starts[s] + i, already scaled
+      for (int64_t j = 0; j < n * H; ++j) {
+        const Q* src = qp + (starts[s] * H + j) * D;
+        float* dst = qbuf.data() + j * D;
+        for (int64_t e = 0; e < D; ++e) dst[e] = to_float(src[e]) * fscale;
+      }
+      scores.resize(n * H * keys);
+      for (int64_t i = 0; i < n; ++i) {
+        // keys after row i's position are masked: it sees the first `visible` of this split
+        const int64_t visible = std::min(keys, std::max<int64_t>(0, ctx - n + i + 1 - unit.key_begin));
+        for (int64_t h = 0; h < KV; ++h) {
+          for (int64_t g0 = 0; g0 < G; g0 += kMaxGroup) {
+            const int group = static_cast<int>(std::min<int64_t>(kMaxGroup, G - g0));
+            const float* qs[kMaxGroup];
+            float* rows[kMaxGroup];
+            float* accs[kMaxGroup];
+            for (int b = 0; b < group; ++b) {
+              const int64_t j = i * H + h * G + g0 + b;
+              qs[b] = qbuf.data() + j * D;
+              rows[b] = scores.data() + j * keys;
+              accs[b] = acc_all + (unit.partial + j) * D;
+            }
+            if (visible == 0) {  // this split lies wholly after the row's position
+              for (int b = 0; b < group; ++b) {
+                float* ml = ml_all + (unit.partial + i * H + h * G + g0 + b) * 2;
+                ml[0] = kNegInf;
+                ml[1] = 0.0f;
+                std::fill(accs[b], accs[b] + D, 0.0f);
+              }
+              continue;
+            }
+            score_group(qs, group, kbase + h * D, offsets.data(), visible, D, rows, ptrs);
+            for (int b = 0; b < group; ++b) {
+              float* row = rows[b];
+              float m = kNegInf;
+              for (int64_t t = 0; t < visible; ++t) m = std::max(m, row[t]);
 #pragma omp simd
-        for (int64_t t = 0; t < visible; ++t) row[t] -= m;
-        exp_nonpositive(row, visible);
-        float l = 0.0f;
+              for (int64_t t = 0; t < visible; ++t) row[t] -= m;
+              exp_nonpositive(row, visible);
+              float l = 0.0f;
 #pragma omp simd reduction(+ : l)
-        for (int64_t t = 0; t < visible; ++t) l += row[t];
-        ml[0] = m;
-        ml[1] = l;
-        weigh_values(row, vptrs.data(), visible, D, acc);
+              for (int64_t t = 0; t < visible; ++t) l += row[t];
+              float* ml = ml_all + (unit.partial + i * H + h * G + g0 + b) * 2;
+              ml[0] = m;
+              ml[1] = l;
+            }
+            weigh_group(rows, group, vbase + h * D, offsets.data(), visible, D, accs, ptrs);
+          }
+        }
       }
     }
   });
 
-  // merge the splits of each (span, kv head) into the output rows
-  std::vector<int64_t> first_unit(S * KV + 1, 0);
-  for (size_t u = 0; u < units.size(); ++u) {
-    const int64_t key = units[u].span * KV + units[u].kv_head;
-    if (u == 0 || units[u - 1].span * KV + units[u - 1].kv_head != key) first_unit[key] = static_cast<int64_t>(u);
-  }
+  // merge the splits of each span into its output rows
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, S * KV, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t key = begin; key < end; ++key) {
-      const int64_t s = key / KV, h = key % KV, n = starts[s + 1] - starts[s];
-      const int64_t u0 = first_unit[key], splits = (lens[s] + split_tokens - 1) / split_tokens;
-      for (int64_t j = 0; j < n * G; ++j) {
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t n = starts[s + 1] - starts[s], u0 = first_unit[s], splits = first_unit[s + 1] - u0;
+      for (int64_t j = 0; j < n * H; ++j) {
+        float* dst = op + (starts[s] * H + j) * D;
+        if (splits == 1) {  // one split: its partial row is the answer
+          const int64_t p = units[u0].partial + j;
+          const float inv = 1.0f / ml_all[p * 2 + 1];
+          const float* src = acc_all + p * D;
+#pragma omp simd
+          for (int64_t e = 0; e < D; ++e) dst[e] = src[e] * inv;
+          continue;
+        }
         float m = kNegInf;
         for (int64_t c = 0; c < splits; ++c) m = std::max(m, ml_all[(units[u0 + c].partial + j) * 2]);
-        float* dst = op + ((starts[s] + j / G) * H + h * G + j % G) * D;
         std::fill(dst, dst + D, 0.0f);
         float l = 0.0f;
         for (int64_t c = 0; c < splits; ++c) {
@@ -246,11 +358,11 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
           l += w * ml_all[p * 2 + 1];
           const float* src = acc_all + p * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) dst[d] += w * src[d];
+          for (int64_t e = 0; e < D; ++e) dst[e] += w * src[e];
         }
         const float inv = 1.0f / l;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) dst[d] *= inv;
+        for (int64_t e = 0; e < D; ++e) dst[e] *= inv;
       }
     }
   });

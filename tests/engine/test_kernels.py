@@ -57,7 +57,8 @@ def _run(spans: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
 
 
 @needs_kernel
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 48), (6, 1, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 48), (6, 1, 128),
+                                                    (8, 2, 64), (4, 2, 64), (3, 3, 64)])
 def test_kernel_matches_sdpa_over_gathered_blocks(heads: int, kv_heads: int, head_dim: int) -> None:
     # decodes at every block boundary, a short chunk, one row with a one-token context
     spans = [(1, 1), (1, 15), (1, 16), (1, 17), (5, 40), (8, 300), (1, 600)]
