@@ -163,8 +163,10 @@ inline void score_group(const float* const* q, int group, const KV* base, const 
                         int64_t d, float* const* rows, std::vector<const KV*>& ptrs) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (d == 64) {
-    if (group == 3) return score_group_64<kMaxGroup == 3 ? 3 : 1>(q, base, offsets, n, rows);
-    if (group == 2 && kMaxGroup >= 2) return score_group_64<2>(q, base, offsets, n, rows);
+    if constexpr (kMaxGroup >= 3) {
+      if (group == 3) return score_group_64<3>(q, base, offsets, n, rows);
+      if (group == 2) return score_group_64<2>(q, base, offsets, n, rows);
+    }
     return score_group_64<1>(q, base, offsets, n, rows);
   }
 #endif
@@ -178,8 +180,10 @@ inline void weigh_group(const float* const* p, int group, const KV* base, const 
                         int64_t d, float* const* out, std::vector<const KV*>& ptrs) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (d == 64) {
-    if (group == 3) return weigh_group_64<kMaxGroup == 3 ? 3 : 1>(p, base, offsets, n, out);
-    if (group == 2 && kMaxGroup >= 2) return weigh_group_64<2>(p, base, offsets, n, out);
+    if constexpr (kMaxGroup >= 3) {
+      if (group == 3) return weigh_group_64<3>(p, base, offsets, n, out);
+      if (group == 2) return weigh_group_64<2>(p, base, offsets, n, out);
+    }
     return weigh_group_64<1>(p, base, offsets, n, out);
   }
 #endif
