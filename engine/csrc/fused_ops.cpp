@@ -32,9 +32,8 @@ namespace {
 // Element types: float32, or bfloat16 (its bits). A bfloat16 op computes in float32 and rounds
 // (to nearest even) wherever transformers' bfloat16 modules round: after every op of theirs
 // (`narrow`), so the result is theirs but for the order of the sums.
-using bf16 = uint16_t;
-inline float widen(float x) { return x; }
-inline float widen(bf16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+using kvgate::bf16;
+using kvgate::to_float;
 template <typename T>
 inline T narrow(float f) {
   if constexpr (std::is_same_v<T, float>) {
@@ -47,7 +46,7 @@ inline T narrow(float f) {
 }
 // f as a T holds it (float32: f itself)
 template <typename T>
-inline float held(float f) { return widen(narrow<T>(f)); }
+inline float held(float f) { return to_float(narrow<T>(f)); }
 
 bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
 
@@ -66,10 +65,10 @@ template <typename T>
 inline void normalize(const T* src, const T* weight, float eps, int64_t n, T* dst) {
   float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += widen(src[i]) * widen(src[i]);
+  for (int64_t i = 0; i < n; ++i) ss += to_float(src[i]) * to_float(src[i]);
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = narrow<T>(widen(weight[i]) * held<T>(widen(src[i]) * inv));
+  for (int64_t i = 0; i < n; ++i) dst[i] = narrow<T>(to_float(weight[i]) * held<T>(to_float(src[i]) * inv));
 }
 
 template <typename T>
@@ -86,7 +85,7 @@ void add_rms_norm_of(const at::Tensor& x, const at::Tensor& residual, const at::
       T* res = rp + r * rs;
       const T* src = xp + r * xs;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) res[i] = narrow<T>(widen(res[i]) + widen(src[i]));
+      for (int64_t i = 0; i < n; ++i) res[i] = narrow<T>(to_float(res[i]) + to_float(src[i]));
       normalize(res, wp, static_cast<float>(eps), n, op + r * n);
     }
   });
@@ -138,13 +137,13 @@ inline void rotate(T* x, int64_t heads, int64_t head_stride, const T* cos, const
   const int64_t half = d / 2;
   for (int64_t h = 0; h < heads; ++h) {
     T* v = x + h * head_stride;
-    for (int64_t i = 0; i < d; ++i) tmp[i] = widen(v[i]);
+    for (int64_t i = 0; i < d; ++i) tmp[i] = to_float(v[i]);
 #pragma omp simd
     for (int64_t i = 0; i < half; ++i)
-      v[i] = narrow<T>(held<T>(tmp[i] * widen(cos[i])) + held<T>(-tmp[i + half] * widen(sin[i])));
+      v[i] = narrow<T>(held<T>(tmp[i] * to_float(cos[i])) + held<T>(-tmp[i + half] * to_float(sin[i])));
 #pragma omp simd
     for (int64_t i = half; i < d; ++i)
-      v[i] = narrow<T>(held<T>(tmp[i] * widen(cos[i])) + held<T>(tmp[i - half] * widen(sin[i])));
+      v[i] = narrow<T>(held<T>(tmp[i] * to_float(cos[i])) + held<T>(tmp[i - half] * to_float(sin[i])));
   }
 }
 
@@ -217,8 +216,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       for (int64_t r = begin; r < end; ++r) {
         const bf16* g = gp + r * gs;
         for (int64_t i = 0; i < n; ++i) {
-          const float x = widen(g[i]);
-          op[r * n + i] = narrow<bf16>(held<bf16>(x / (1.0f + kvgate::exp_clamped(-x))) * widen(g[n + i]));
+          const float x = to_float(g[i]);
+          op[r * n + i] = narrow<bf16>(held<bf16>(x / (1.0f + kvgate::exp_clamped(-x))) * to_float(g[n + i]));
         }
       }
     });

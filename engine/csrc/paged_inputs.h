@@ -13,13 +13,9 @@
 
 #include <cstdint>
 
-namespace kvgate {
+#include "vec_math.h"  // kvgate::bf16
 
-// A bfloat16 value as the kernels hold it (its bits), and either element type read as float32
-// (bfloat16: the upper half of a float32's bits).
-using bf16 = uint16_t;
-inline float to_float(float x) { return x; }
-inline float to_float(bf16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+namespace kvgate {
 
 // kernel(Elem{}, Q{}) for the element types of the pool (k_cache) and of q, each float or bf16:
 // how both kernels pick their template instance.

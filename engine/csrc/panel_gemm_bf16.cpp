@@ -35,16 +35,17 @@
 #include <type_traits>
 #include <utility>
 
+#include "vec_math.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
 #include "panel_schedule.h"
-#include "vec_math.h"
 #endif
 
 namespace {
 
-using bf16 = uint16_t;
+using kvgate::bf16;
 constexpr int kWidth = 32;  // outputs per panel
 constexpr int kHalf = 16;   // outputs per vector
 

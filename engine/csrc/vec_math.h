@@ -7,6 +7,12 @@
 
 namespace kvgate {
 
+// A bfloat16 value as the kernels hold it (its bits), and either element type read as float32
+// (bfloat16: the upper half of a float32's bits).
+using bf16 = uint16_t;
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+
 // Eight lanes at a time (GCC vector extensions: AVX registers where there are, pairs of SSE or
 // NEON registers elsewhere).
 typedef float f32x8 __attribute__((vector_size(32)));
