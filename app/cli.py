@@ -43,8 +43,9 @@ configuration:
   or computed again after being dropped; default always),
   [cache.device] num_blocks, [cache.host] capacity_mb (0 = off), [cache.disk] path/capacity_mb
   (0 = off)/persist (behind: blocks are also written in the background as computed, so a
-  crash loses only the last moments'; on_evict: a block is written when it leaves CPU memory,
-  and all at a stop; default behind)/codec (none: lossless, default; fp16: half the bytes,
+  crash loses only the last moments'; idle: the same, on idle CPU only, which under full load
+  keeps throughput and writes only what leaves CPU memory; on_evict: a block is written when it
+  leaves CPU memory, and all at a stop; default behind)/codec (none: lossless, default; fp16: half the bytes,
   99.98 % top-1 agreement; bf16: half, 99.91 %; int8: a quarter, 98.60 % top-1 agreement, below
   99 %: greedy output after a hit may differ from a cold run; docs/benchmarks.md)/load_timeout_s (deadline of one batch of block reads; default 0.5)/allowed_root
   (where POST /admin/tiers may attach a disk tier), [cache.remote] url/cluster/ttl_s/write

@@ -202,9 +202,9 @@ def _tiers(tiers: dict[str, Any]) -> Iterator[Metric]:
                        ("dropped_writes", "Writes dropped by back-pressure"),
                        ("flushed_blocks", "Blocks written to disk at shutdown or when host was detached"),
                        ("recalled_blocks", "Blocks asked for while their disk write was in flight, served from it"),
-                       ("persisted_behind", "Blocks written to disk in the background (persist = behind)")):
+                       ("persisted_behind", "Blocks written to disk in the background (persist = behind or idle)")):
         yield _counter(f"kvgate_chain_{field}", doc, chain.get(field, 0))
-    yield _gauge("kvgate_chain_unpersisted_blocks", "Blocks waiting for a background disk write (persist = behind)",
+    yield _gauge("kvgate_chain_unpersisted_blocks", "Blocks waiting for a background disk write (persist = behind or idle)",
                  chain.get("unpersisted_blocks", 0))
 
 

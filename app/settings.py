@@ -94,9 +94,10 @@ class DiskCacheSettings(_Section):
     # where POST /admin/tiers may attach a disk tier (absolute; unset: anywhere but system folders)
     allowed_root: str | None = None
     # behind: blocks are also written in the background as they are computed, so a crash loses
-    # only the last moments' blocks and evicting them costs no write; on_evict: a block is
-    # written when it leaves host memory (docs/tiers.md, "Crash loss")
-    persist: Literal["on_evict", "behind"] = "behind"
+    # only the last moments' blocks and evicting them costs no write; idle: the same, but only on
+    # CPU time nobody else wants (fully loaded, it writes only what leaves host memory); on_evict:
+    # a block is written when it leaves host memory (docs/tiers.md, "Crash loss")
+    persist: Literal["on_evict", "behind", "idle"] = "behind"
     # how blocks are encoded on disk: none (as they are, lossless) | bf16 | fp16 | int8 (lossy,
     # 2x / 2x / ~4x smaller; int8 agrees on the top-1 token below 99 % of the time, see
     # docs/benchmarks.md "Codec quality"); records of any codec are read (docs/tiers.md, "Codecs")

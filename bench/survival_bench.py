@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help=f"comma-separated, from {', '.join(SCENARIOS)} (default: all)")
     p.add_argument("--persist", default="on_evict,behind",
-                   help="comma-separated [cache.disk] persist settings to run each scenario with; 'unset' "
+                   help="comma-separated [cache.disk] persist settings (on_evict, behind, idle) to run each "
+                        "scenario with; 'unset' "
                         "leaves the key out (for a KVGate without it) (default: on_evict,behind)")
     p.add_argument("--kvgate", default=None,
                    help="the command that runs KVGate, one string (default: this venv's `kvgate`); e.g. "
@@ -279,10 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     names = [s for s in args.scenarios.split(",") if s]
     persists = [s for s in args.persist.split(",") if s]
-    bad = [s for s in names if s not in SCENARIOS] + [p for p in persists if p not in ("on_evict", "behind", "unset")]
+    bad = [s for s in names if s not in SCENARIOS] + [p for p in persists if p not in ("on_evict", "behind", "idle", "unset")]
     if bad:
         print(f"unknown scenario or persist setting: {', '.join(bad)}; scenarios are {', '.join(SCENARIOS)}, "
-              "persist settings on_evict, behind and unset", file=sys.stderr)
+              "persist settings on_evict, behind, idle and unset", file=sys.stderr)
         return 2
     if "c16" in names and not LOAD_PY.is_file():
         print(f"the c16 scenario needs the shared load client at {LOAD_PY}; drop c16 from --scenarios",

@@ -46,8 +46,8 @@ class EngineConfig:
     # to and from the device by trading rows, not copying (docs/tiers.md, "One slab on CPU")
     share_host_slab: bool = True
     flush_on_shutdown_s: float = 10.0  # write device and host blocks to disk when stopping
-    # on_evict | behind: also write computed and host blocks in the background (cache.tiers.chain);
-    # the server's default is behind ([cache.disk] persist)
+    # on_evict | behind: also write computed and host blocks in the background | idle: the same,
+    # on idle CPU only (cache.tiers.state.PERSIST_MODES); the server's default is behind ([cache.disk] persist)
     disk_persist: str = "on_evict"
     # always | second_use: which blocks go below host memory (cache.tiers.state.ADMIT_MODES)
     admit: str = "always"
@@ -90,8 +90,8 @@ class EngineConfig:
         options = self.tier_options()
         for name in self.tiers_on():  # each kind's own options model says what is wrong
             factory.validate(name, options[name])
-        if self.disk_persist not in ("on_evict", "behind"):
-            raise ValueError(f"disk_persist must be on_evict or behind, got {self.disk_persist!r}")
+        if self.disk_persist not in ("on_evict", "behind", "idle"):
+            raise ValueError(f"disk_persist must be on_evict, behind or idle, got {self.disk_persist!r}")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
         if self.role != "both" and not self.remote_cache_url:

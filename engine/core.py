@@ -192,7 +192,7 @@ class EngineCore:
 
     def poll_loads(self) -> int:
         """Admit the requests whose prefetches finished; returns how many. Also lets the chain
-        start its background disk writes (``persist = "behind"``)."""
+        start its background disk writes (``persist = "behind"`` or ``"idle"``)."""
         control = self.control
         control.tick()
         finished = self.tiers.poll(bool(self._loading) or control.waiting)

@@ -178,12 +178,12 @@ class Tiering:
     def after_step(self, work: list[ScheduledSeq]) -> None:
         """Note the blocks this step's new requests reused (admission by reuse, ``write =
         "selective"``); send the blocks it filled to a write-through store, and offer them to the
-        background disk writer (``persist = "behind"``)."""
+        background disk writer (``persist = "behind"`` or ``"idle"``)."""
         chain = self.chain
         if chain is None:
             return
         through = chain.writes_through
-        behind = chain.persist == "behind" and chain.store is not None and self.storage.device.type == "cpu"
+        behind = chain.writes_behind and chain.store is not None and self.storage.device.type == "cpu"
         by_owner: dict[str, list[tuple[bytes, bytes]]] = {}
         for block, key, owner in self._reused_blocks(work):
             chain.note_reuse(key)

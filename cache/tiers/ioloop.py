@@ -1,5 +1,5 @@
 """The chain's I/O thread: an asyncio loop, plus writer and sender threads below the step loop's
-CPU priority."""
+CPU priority, and an idle writer that runs only on CPU nobody else wants."""
 
 from __future__ import annotations
 
@@ -26,13 +26,27 @@ def _deprioritise() -> None:
         pass
 
 
+def _idle_only() -> None:
+    """Run the calling thread only when a CPU would otherwise idle (Linux `SCHED_IDLE`); where
+    the OS has no such class or refuses it, at the lowest nice level instead."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+
+
 class IOLoop:
     """An asyncio event loop on a daemon thread; coroutines are submitted from other threads.
 
     Below normal CPU priority, for the work nobody waits for: ``writer`` (2 threads) writes disk
     files, ``sender`` (1 thread) sends remote writes' bytes — apart, so that a slow ``fsync``
-    never holds a write-through other replicas are waiting to see. Reads stay on the loop and
-    its default executor, at normal priority: a request waits for them."""
+    never holds a write-through other replicas are waiting to see. ``idle_writer`` (1 thread)
+    writes what ``persist = "idle"`` writes behind: only while a CPU is idle, so while the step
+    loop keeps every core busy it writes (almost) nothing. Reads stay on the loop and its
+    default executor, at normal priority: a request waits for them."""
 
     def __init__(self, name: str = "kvgate-io") -> None:
         self.loop = asyncio.new_event_loop()
@@ -40,6 +54,8 @@ class IOLoop:
                                          initializer=_deprioritise)
         self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-send",
                                          initializer=_deprioritise)
+        self.idle_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-idle",
+                                              initializer=_idle_only)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -69,3 +85,4 @@ class IOLoop:
             self.loop.close()
         self.writer.shutdown(wait=False, cancel_futures=True)
         self.sender.shutdown(wait=False, cancel_futures=True)
+        self.idle_writer.shutdown(wait=False, cancel_futures=True)

@@ -17,8 +17,10 @@ from cache.tiers.ioloop import IOLoop
 
 # How host blocks reach the disk tier: "on_evict" writes a block when it leaves host memory;
 # "behind" also writes host blocks in the background, oldest first, so a crash (SIGKILL, OOM kill,
-# power cut) loses only the blocks of the last moments, and evicting them later costs no write.
-PERSIST_MODES = ("on_evict", "behind")
+# power cut) loses only the blocks of the last moments, and evicting them later costs no write;
+# "idle" writes the same in the background, but only on CPU time nobody else wants: while steps
+# keep every core busy it degrades to "on_evict" (docs/tiers.md, "Crash loss").
+PERSIST_MODES = ("on_evict", "behind", "idle")
 # Which blocks go below host memory: "always" every block; "second_use" only a block that was
 # used again (a later request's prefix hit it, or it was computed again after being dropped).
 ADMIT_MODES = ("always", "second_use")
@@ -39,7 +41,7 @@ class ChainStats:
     dropped_writes: int = 0
     flushed_blocks: int = 0
     recalled_blocks: int = 0  # asked for while their disk write was in flight: served from its buffer
-    persisted_behind: int = 0  # host and computed device blocks written to disk by persist = "behind"
+    persisted_behind: int = 0  # host and computed device blocks written to disk by persist = "behind" / "idle"
     not_admitted: int = 0  # admit = "second_use": blocks that left host memory unused again, not written
     readmitted: int = 0  # ... and blocks computed again after that, so admitted from then on
 

@@ -1,5 +1,5 @@
 """How blocks go down: writes to the store tiers and the shared tier, in the background
-(``persist = "behind"``), and the shutdown flush. The step loop decides; the I/O loop's writer
+(``persist = "behind"`` or ``"idle"``), and the shutdown flush. The step loop decides; the I/O loop's writer
 threads copy and write, bounded by ``max_pending_writes``."""
 
 from __future__ import annotations
@@ -11,12 +11,11 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from typing import Any
 
 from cache.quota import UNKNOWN
 from cache.tiers.base import StoreTier
-from cache.tiers.ioloop import IOLoop
 from cache.tiers.state import ChainState
 
 logger = logging.getLogger(__name__)
@@ -150,9 +149,15 @@ class WritePath(ChainState):
     def pending_writes(self) -> int:
         return self._pending_writes
 
+    @property
+    def writes_behind(self) -> bool:
+        """Whether blocks are written in the background as they are computed (``persist =
+        "behind"`` or ``"idle"``), not only when they leave host memory."""
+        return self.persist != "on_evict"
+
     def _track(self, key: bytes) -> None:
-        """A block entered host memory: with ``persist = "behind"`` it waits to be written."""
-        if self.persist == "behind" and self.stores and self.admits(key):
+        """A block entered host memory: written behind, it waits to be written."""
+        if self.writes_behind and self.stores and self.admits(key):
             self._unpersisted[key] = None
 
     def _keep_in_host(self, key: bytes) -> bool:
@@ -162,22 +167,24 @@ class WritePath(ChainState):
                 and key not in self._writing and not self._stored(key) and self.admits(key))
 
     def note_computed(self, key: bytes, copy: Callable[[], bytes | None], owner: str = UNKNOWN) -> None:
-        """``persist = "behind"``: a device block was just computed; ``copy`` (called on a writer
+        """Written behind (``persist = "behind"`` or ``"idle"``): a device block was just computed; ``copy`` (called on a writer
         thread) returns its bytes, None once the block is gone, or `RETRY` when the copy may be
         torn and should be made again later. With ``admit = "second_use"`` only a block used
         again is taken (or one computed again after being dropped)."""
         self._seen_again(key)
-        if self.persist == "behind" and self.stores and key not in self._unpersisted and self.admits(key):
+        if self.writes_behind and self.stores and key not in self._unpersisted and self.admits(key):
             self._unpersisted[key] = (copy, owner)
 
     def persist_behind(self) -> int:
-        """``persist = "behind"``: start writing the oldest host and computed device blocks not
-        yet on disk, while fewer than half the write bound are in flight (demotions keep the
-        other half). Called by the step loop between steps; the bytes are copied by a writer
-        thread. Returns how many writes started."""
+        """Written behind: start writing the oldest host and computed device blocks not yet on
+        disk, while fewer than half the write bound are in flight (demotions keep the other
+        half). Called by the step loop between steps; the bytes are copied by a writer thread —
+        with ``persist = "idle"`` the idle writer, which runs only on a CPU nobody else wants.
+        Returns how many writes started."""
         io, host = self.io, self.memory
-        if self.persist != "behind" or not self.stores or io is None:
+        if not self.writes_behind or not self.stores or io is None:
             return 0
+        executor = io.idle_writer if self.persist == "idle" else io.writer
         while True:  # copies found torn go to the back of the line
             try:
                 key, source = self._retry.get_nowait()
@@ -203,25 +210,25 @@ class WritePath(ChainState):
             targets = [store for store in targets if store.ledger.admits(owner)]
             if not targets or not self._reserve_write(1):
                 continue
-            coro = self._timed(f"{targets[0].name}_write", self._persist(targets, io, key, copy, owner, source),
-                               time.perf_counter())
+            coro = self._timed(f"{targets[0].name}_write",
+                               self._persist(targets, executor, key, copy, owner, source), time.perf_counter())
             io.submit(coro).add_done_callback(functools.partial(self._write_done, None, None))
             started += 1
         return started
 
-    async def _persist(self, stores: list[StoreTier], io: IOLoop, key: bytes, copy: Callable[[], bytes | None],
-                       owner: str, source: Any) -> bool:
-        """Copy a block on a writer thread and write it to ``stores``. A copy that may be torn
+    async def _persist(self, stores: list[StoreTier], executor: Executor, key: bytes,
+                       copy: Callable[[], bytes | None], owner: str, source: Any) -> bool:
+        """Copy a block on a thread of ``executor`` and write it to ``stores`` from there. A copy that may be torn
         (the step loop moved the block meanwhile) is never written: a host block that left was
         written by its eviction; a device block is tried again later."""
-        payload = await asyncio.get_running_loop().run_in_executor(io.writer, copy)
+        payload = await asyncio.get_running_loop().run_in_executor(executor, copy)
         if payload is RETRY:
             if source is not None:
                 self._retry.put((key, source))
             return False
         if payload is None:
             return False
-        written = await self._write_all(stores, key, payload, owner, io)
+        written = await self._write_all(stores, key, payload, owner, executor)
         if written:
             self.stats.persisted_behind += 1
         return written
@@ -264,7 +271,7 @@ class WritePath(ChainState):
             if payload is None:
                 continue
             seen.add(key)  # the device and the (inclusive) host may both hold it: write it once
-            window.append(io.submit(self._write_all(targets, key, payload, owner, io)))
+            window.append(io.submit(self._write_all(targets, key, payload, owner, io.writer)))
             if len(window) >= FLUSH_WINDOW:
                 written += settle(window.popleft())
         while window:
@@ -274,11 +281,11 @@ class WritePath(ChainState):
 
     @staticmethod
     async def _write_all(stores: list[StoreTier], key: bytes, payload: bytes | memoryview, owner: str,
-                         io: IOLoop) -> bool:
-        """Write one block to each of ``stores`` in turn; True if any took it."""
+                         executor: Executor) -> bool:
+        """Write one block to each of ``stores`` in turn, on ``executor``; True if any took it."""
         written = False
         for store in stores:
-            written = await store.write(key, payload, owner, executor=io.writer) or written
+            written = await store.write(key, payload, owner, executor=executor) or written
         return written
 
     def drain_writes(self, timeout_s: float) -> bool:

@@ -94,6 +94,8 @@ def test_disk_blocks_are_written_behind_by_default(tmp_path: Path) -> None:
     assert load_settings(env={}).engine_config().disk_persist == "behind"
     on_evict = load_settings(_write(tmp_path, '[cache.disk]\npersist = "on_evict"\n'), env={})
     assert on_evict.engine_config().disk_persist == "on_evict"
+    idle = load_settings(_write(tmp_path, '[cache.disk]\npersist = "idle"\n'), env={})
+    assert idle.engine_config().disk_persist == "idle"
 
 
 def test_remote_tier_settings_reach_the_engine(tmp_path: Path) -> None:

@@ -145,6 +145,42 @@ def test_persist_behind_writes_host_blocks_oldest_first(tmp_path: Path, made: li
     assert chain.pending_writes == 0 and chain.store.stats.writes == writes
 
 
+def test_persist_idle_writes_behind_on_the_idle_thread_only(tmp_path: Path, made: list[TierChain],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``persist = "idle"`` writes host blocks behind as ``"behind"`` does, but every copy and
+    write runs on the I/O loop's idle writer (scheduled only on idle CPU); demotions (blocks
+    leaving host memory, which must be written) stay on the normal writers."""
+    import os
+
+    made.append(chain := slow_chain(tmp_path, host_blocks=8, persist="idle"))
+    assert chain.memory is not None and chain.store is not None and chain.io is not None and chain.writes_behind
+    threads: list[str] = []
+    real_writev = os.writev
+
+    def spy_writev(fd: int, bufs: Any) -> int:
+        threads.append(threading.current_thread().name)
+        return real_writev(fd, bufs)
+
+    monkeypatch.setattr(os, "writev", spy_writev)
+    for i in range(6):
+        chain.demote(key(i), block(i))
+    deadline = time.monotonic() + WAIT_S
+    while len(chain.store) < 6:
+        assert time.monotonic() < deadline, "the idle writer never wrote the host blocks"
+        chain.persist_behind()
+        time.sleep(0.005)
+    assert chain.drain_writes(WAIT_S) and chain.stats.persisted_behind == 6
+    assert len(threads) == 6 and all(name.startswith("kvgate-io-idle") for name in threads), threads
+    for i in range(6):
+        got = asyncio.run_coroutine_threadsafe(chain.store.read(key(i)), chain.io.loop).result(WAIT_S)
+        assert bytes(got) == raw(i)
+    threads.clear()
+    for i in range(6, 16):  # evictions: 0-5 are on disk already (no write), 6 and 7 are not
+        chain.demote(key(i), block(i))
+    assert chain.drain_writes(WAIT_S)
+    assert threads and all(name.startswith("kvgate-io-write") for name in threads), threads
+
+
 def test_a_block_moved_during_its_background_copy_is_not_written_torn(tmp_path: Path, made: list[TierChain]) -> None:
     made.append(chain := slow_chain(tmp_path, host_blocks=2, persist="behind"))
     host = chain.memory
@@ -162,7 +198,7 @@ class NoLossMachine(RuleBasedStateMachine):
     every block demoted is always found in some tier and loads with its own bytes (the disk is
     big enough that its policy evicts nothing, and the write bound is never reached)."""
 
-    @initialize(persist=st.sampled_from(["on_evict", "behind"]), host_blocks=st.integers(1, 4))
+    @initialize(persist=st.sampled_from(["on_evict", "behind", "idle"]), host_blocks=st.integers(1, 4))
     def setup(self, persist: str, host_blocks: int) -> None:
         self.folder = tempfile.TemporaryDirectory()
         self.chain = slow_chain(Path(self.folder.name), host_blocks=host_blocks, persist=persist, max_delay_s=0.003)

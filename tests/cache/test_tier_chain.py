@@ -562,3 +562,8 @@ def test_writes_run_on_background_threads_below_normal_priority(
     for pool in (chain.io.writer, chain.io.sender):
         nice = pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
         assert nice == min(19, here + chain_module.BACKGROUND_NICE)
+    # the idle writer (persist = "idle") runs only on idle CPU where Linux allows it, else at nice 19
+    policy, nice = chain.io.idle_writer.submit(
+        lambda: (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))).result()
+    assert policy == os.SCHED_IDLE or nice == 19
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller's own thread is untouched

@@ -1,6 +1,6 @@
-"""``persist = "behind"`` in the engine: computed device blocks and host blocks reach the disk in
-the background, so an engine that is never closed (a crash, a `kill -9`) leaves its prefixes on
-disk for the next one, which gives the cold run's exact tokens."""
+"""``persist = "behind"`` (and ``"idle"``) in the engine: computed device blocks and host blocks
+reach the disk in the background, so an engine that is never closed (a crash, a `kill -9`) leaves
+its prefixes on disk for the next one, which gives the cold run's exact tokens."""
 
 from __future__ import annotations
 
@@ -23,10 +23,14 @@ def settle(core) -> None:
         time.sleep(0.005)
 
 
-@pytest.mark.parametrize("share", [True, False], ids=["host-shares-the-slab", "host-copies"])
-def test_blocks_survive_an_engine_that_is_never_closed(tiny_model_dir: Path, tmp_path: Path, share: bool) -> None:
+@pytest.mark.parametrize(("share", "persist"), [(True, "behind"), (False, "behind"), (True, "idle")],
+                         ids=["host-shares-the-slab", "host-copies", "idle-writer"])
+def test_blocks_survive_an_engine_that_is_never_closed(tiny_model_dir: Path, tmp_path: Path, share: bool,
+                                                       persist: str) -> None:
+    """Written behind, on the normal writers or on the idle one (this test leaves the CPU idle
+    while it waits, as a server between requests does)."""
     folder = str(tmp_path / "kv")
-    first = make_engine(tiny_model_dir, disk_cache_path=folder, disk_persist="behind", share_host_slab=share)
+    first = make_engine(tiny_model_dir, disk_cache_path=folder, disk_persist=persist, share_host_slab=share)
     a, b = prompt(1), prompt(2)
     cold_a, _ = run(first, "a", a)
     flood(first, 1)  # a's blocks go down to host
