@@ -2,8 +2,10 @@
 held by a stalled file.
 
 A thread stuck in a read (a hung disk, a network folder gone away) cannot be stopped. The pool
-stops counting it as a worker once its call has run past ``stall_s``: the next call may start a
-thread in its place, so ``workers`` threads keep serving — up to ``max_threads`` threads in all.
+stops counting it as a worker once its call is past ``stall_s``, counted from when the call was
+submitted, as its caller's deadline is (a call that waited in the queue behind a stalled one is
+stuck as soon as a thread takes it, if its caller has given up by then): the next call may start
+a thread in its place, so ``workers`` threads keep serving — up to ``max_threads`` threads in all.
 When every thread is stuck, a call fails at once (`ReadersStalled`) instead of queueing behind
 them, and `stuck` says so (the tier reports itself unhealthy). A stuck thread that returns
 serves again, or ends when the pool has enough without it; idle threads end after a while.
@@ -39,17 +41,19 @@ class ReaderPool:
         self.stall_s = stall_s
         self.name = name
         self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = queue.SimpleQueue()
-        self._started: dict[int, float] = {}  # busy thread → when its call started (monotonic)
+        # (future, function, arguments, when submitted (monotonic))
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...], float]] = \
+            queue.SimpleQueue()
+        self._started: dict[int, float] = {}  # busy thread → when its call was submitted (monotonic)
         self._threads = 0
         self._count = 0  # threads ever started, for their names
 
     def _stuck(self, now: float) -> int:
-        return sum(1 for started in self._started.values() if now - started > self.stall_s)
+        return sum(1 for submitted in self._started.values() if now - submitted > self.stall_s)
 
     @property
     def stuck(self) -> int:
-        """Threads in a call that has run past ``stall_s``."""
+        """Threads in a call submitted more than ``stall_s`` ago."""
         with self._lock:
             return self._stuck(time.monotonic())
 
@@ -63,11 +67,12 @@ class ReaderPool:
         before a thread takes the call drops it. Raises `ReadersStalled` when every thread is stuck."""
         future: Future[Any] = Future()
         with self._lock:
-            stuck = self._stuck(time.monotonic())
+            now = time.monotonic()
+            stuck = self._stuck(now)
             serving = self._threads - stuck
             if serving <= 0 and self._threads >= self.max_threads:
                 raise ReadersStalled(stuck, self.stall_s)
-            self._jobs.put((future, fn, args))
+            self._jobs.put((future, fn, args, now))
             if serving < self.workers and self._threads < self.max_threads:
                 self._threads += 1
                 self._count += 1
@@ -78,7 +83,7 @@ class ReaderPool:
         me = threading.get_ident()
         while True:
             try:
-                future, fn, args = self._jobs.get(timeout=IDLE_EXIT_S)
+                future, fn, args, submitted = self._jobs.get(timeout=IDLE_EXIT_S)
             except queue.Empty:
                 with self._lock:
                     if not self._jobs.empty():  # a call came in meanwhile, counting on this thread
@@ -88,7 +93,7 @@ class ReaderPool:
             if not future.set_running_or_notify_cancel():  # its caller gave up before it started
                 continue
             with self._lock:
-                self._started[me] = time.monotonic()
+                self._started[me] = submitted
             try:
                 result = fn(*args)
             except BaseException as exc:

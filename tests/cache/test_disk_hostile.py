@@ -279,6 +279,36 @@ def test_a_stuck_reader_is_replaced_and_when_all_are_stuck_calls_fail_at_once() 
         gate.set()
 
 
+def test_a_call_that_queued_behind_a_stalled_one_counts_as_stuck_from_its_submission() -> None:
+    """The stall is counted from submission, as the caller's deadline is: a call that waited in
+    the queue past ``stall_s`` is stuck as soon as a thread takes it, not ``stall_s`` later."""
+    stall_s = 1.0
+    pool = ReaderPool(workers=1, max_threads=2, stall_s=stall_s)
+    gate, started = threading.Event(), threading.Event()
+
+    def second_call() -> bool:
+        started.set()
+        return gate.wait(WAIT_S)
+
+    try:
+        first = pool.submit(gate.wait, WAIT_S)
+        queued = pool.submit(second_call)  # the only serving thread is busy: it waits in the queue
+        wait_until(lambda: pool.stuck == 1)  # the first call is past the deadline: a thread may start
+        time.sleep(stall_s / 4)  # and the queued one, submitted just after it, surely is too
+        spare = pool.submit(lambda: "served")  # starts the second thread, which takes the queued call first
+        assert started.wait(WAIT_S)
+        t_started = time.monotonic()
+        stuck_now = pool.stuck
+        if time.monotonic() - t_started < stall_s / 2:  # (a machine that stalled this long proves nothing)
+            assert stuck_now == 2  # submitted over a second ago: stuck at once
+        with pytest.raises(ReadersStalled):
+            pool.submit(lambda: None)
+        gate.set()
+        assert first.result(WAIT_S) and queued.result(WAIT_S) and spare.result(WAIT_S) == "served"
+    finally:
+        gate.set()
+
+
 def test_a_disk_whose_readers_are_all_stuck_is_unhealthy_and_fails_reads_at_once(tmp_path: Path) -> None:
     disk = StalledDisk(tmp_path, 16 * FMT.record_size, FMT, load_timeout_s=0.05, read_threads=1)
     for i in range(8):
