@@ -152,6 +152,10 @@ def test_persist_idle_writes_behind_on_the_idle_thread_only(tmp_path: Path, made
     leaving host memory, which must be written) stay on the normal writers."""
     import os
 
+    from cache.tiers import ioloop
+
+    # the idle writer's scheduling class is test_tier_chain's; here it must run on a busy machine too
+    monkeypatch.setattr(ioloop, "_idle_only", lambda: None)
     made.append(chain := slow_chain(tmp_path, host_blocks=8, persist="idle"))
     assert chain.memory is not None and chain.store is not None and chain.io is not None and chain.writes_behind
     threads: list[str] = []
