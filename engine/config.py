@@ -7,6 +7,7 @@ from typing import Any
 
 from cache.tiers import factory
 from cache.tiers.kv_codec import CODECS
+from cache.tiers.state import PERSIST_MODES
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -90,8 +91,8 @@ class EngineConfig:
         options = self.tier_options()
         for name in self.tiers_on():  # each kind's own options model says what is wrong
             factory.validate(name, options[name])
-        if self.disk_persist not in ("on_evict", "behind", "idle"):
-            raise ValueError(f"disk_persist must be on_evict, behind or idle, got {self.disk_persist!r}")
+        if self.disk_persist not in PERSIST_MODES:
+            raise ValueError(f"disk_persist must be one of {', '.join(PERSIST_MODES)}, got {self.disk_persist!r}")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
         if self.role != "both" and not self.remote_cache_url:

@@ -1,6 +1,6 @@
 """How blocks go down: writes to the store tiers and the shared tier, in the background
-(``persist = "behind"`` or ``"idle"``), and the shutdown flush. The step loop decides; the I/O loop's writer
-threads copy and write, bounded by ``max_pending_writes``."""
+(``persist = "behind"`` or ``"idle"``), and the shutdown flush. The step loop decides; the I/O
+loop's writer threads copy and write, bounded by ``max_pending_writes``."""
 
 from __future__ import annotations
 
@@ -167,9 +167,9 @@ class WritePath(ChainState):
                 and key not in self._writing and not self._stored(key) and self.admits(key))
 
     def note_computed(self, key: bytes, copy: Callable[[], bytes | None], owner: str = UNKNOWN) -> None:
-        """Written behind (``persist = "behind"`` or ``"idle"``): a device block was just computed; ``copy`` (called on a writer
-        thread) returns its bytes, None once the block is gone, or `RETRY` when the copy may be
-        torn and should be made again later. With ``admit = "second_use"`` only a block used
+        """Written behind (``persist = "behind"`` or ``"idle"``): a device block was just computed;
+        ``copy`` (called on a writer thread) returns its bytes, None once the block is gone, or
+        `RETRY` when the copy may be torn and should be made again later. With ``admit = "second_use"`` only a block used
         again is taken (or one computed again after being dropped)."""
         self._seen_again(key)
         if self.writes_behind and self.stores and key not in self._unpersisted and self.admits(key):
@@ -218,9 +218,9 @@ class WritePath(ChainState):
 
     async def _persist(self, stores: list[StoreTier], executor: Executor, key: bytes,
                        copy: Callable[[], bytes | None], owner: str, source: Any) -> bool:
-        """Copy a block on a thread of ``executor`` and write it to ``stores`` from there. A copy that may be torn
-        (the step loop moved the block meanwhile) is never written: a host block that left was
-        written by its eviction; a device block is tried again later."""
+        """Copy a block on a thread of ``executor`` and write it to ``stores`` from there. A copy
+        that may be torn (the step loop moved the block meanwhile) is never written: a host block
+        that left was written by its eviction; a device block is tried again later."""
         payload = await asyncio.get_running_loop().run_in_executor(executor, copy)
         if payload is RETRY:
             if source is not None:

@@ -218,8 +218,8 @@ def test_a_stalled_read_releases_the_request_at_the_deadline(stalled: tuple[Tier
     assert chain.snapshot()["chain"]["inflight_reads"] == 2  # and its keys are not asked for again
     assert not chain.prefetch("again", [key(0)])
     # the pool and the read slots keep serving other blocks, once the pool counts the stalled
-    # calls as stuck: past load_timeout_s since a thread took them, which on a busy machine can
-    # be a little after the request's own deadline (counted from its prefetch)
+    # calls as stuck: past load_timeout_s since they were submitted, which can be a little after
+    # the request's own deadline (counted from its prefetch, just before)
     wait_until(lambda: disk.readers.stuck >= 1 and disk.readers.stuck == disk.readers.threads)
     assert chain.prefetch("other", [key(2), key(3)])
     assert wait_for(chain, "other") < 10 * disk.load_timeout_s
