@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.app.test_lifecycle import _is_zombie
-from tests.app.test_tiers_http import _complete, _ids, _tiers
+from tests.app.test_tiers_http import PATIENT_READS, _complete, _ids, _tiers
 
 ON_EVICT = """
 [cache.disk]
@@ -51,7 +51,7 @@ def test_a_stop_signal_to_any_part_flushes_and_a_restart_serves_from_disk(start_
         assert f"engine process got {signal.Signals(sig).name}" in log, log
     assert not os.path.exists(f"/proc/{engine_pid}") or _is_zombie(engine_pid)
 
-    second = start_app("--model", "tiny", "--disk-cache", folder)  # the restart: what the folder holds
+    second = start_app("--model", "tiny", "--disk-cache", folder, config=PATIENT_READS)  # the restart
     warm, cached = _complete(second.url, prompt)
     assert warm == cold
     assert cached == 288
