@@ -15,8 +15,9 @@
 //
 // Four weight loads and kWideRows broadcasts feed 4 x kWideRows FMAs: the blocking oneDNN's own
 // float32 kernels use. The pair (K x 2 kWidth x 4 bytes) stays in L2 while every row block passes
-// over it; with a full row block, the first one prefetches the pair after next, a cache line per
-// 16 weights, so its stream is in flight before the kernel reaches it. With 16 vector registers
+// over it; with a full row block, the row blocks prefetch the pair after next, each its slice of
+// it (panel_schedule.h `Ahead`), so its stream is in flight, at the pace the blocks compute,
+// before the kernel reaches it. With 16 vector registers
 // (AVX2), or a layer of one panel, a tile covers one panel with kMaxRows x 2 accumulators.
 //
 // Shapes: x [M, K] (any row stride, unit column stride); panels [P, K, kWidth] from
@@ -70,11 +71,15 @@ enum class Out { kPlain, kSplit, kSiluMul };
 // The outputs of the R rows at x for V adjacent panels (the second `next` floats after the first);
 // `cols`: valid outputs over the V panels (of kWidth per panel for kPlain, of kLanes per half
 // otherwise); bias (bias_up: of the up halves) or null; `ahead`: panels to prefetch, or null.
-// acc += the R rows at x times V adjacent panels over K; with kAhead, prefetching `ahead`'s panels
-// as it goes (a separate loop: the test would sit in the inner loop otherwise).
+// acc += the R rows at x times V adjacent panels over K; with kAhead, prefetching `ahead`'s slice
+// of its panels as it goes (a separate loop: the test would sit in the inner loop otherwise).
 template <int R, int V, bool kAhead>
 inline __attribute__((always_inline)) void accumulate(vec (&acc)[R][2 * V], const float* x, int64_t ldx,
-                                                      const float* panel, int64_t next, int64_t K, const float* ahead) {
+                                                      const float* panel, int64_t next, int64_t K,
+                                                      const kvgate::Ahead<float>& ahead) {
+  const auto slice = kAhead ? ahead.slice(K) : kvgate::Ahead<float>::Slice{0, 0, 1};
+  const float* pre = kAhead ? ahead.panels + slice.first * kWidth : nullptr;
+  int64_t left = slice.count, due = 1;
   for (int64_t k = 0; k < K; ++k) {
     const float* w = panel + k * kWidth;
     vec b[2 * V];
@@ -84,10 +89,13 @@ inline __attribute__((always_inline)) void accumulate(vec (&acc)[R][2 * V], cons
       b[2 * v + 1] = load(w + v * next + kLanes);
     }
     if constexpr (kAhead)
+      if (--due == 0 && left > 0) {
 #pragma GCC unroll 2
-      for (int v = 0; v < V; ++v)
+        for (int v = 0; v < V; ++v)
 #pragma GCC unroll 2
-        for (int i = 0; i < kWidth; i += 16) __builtin_prefetch(ahead + v * next + k * kWidth + i, 0, 3);
+          for (int i = 0; i < kWidth; i += 16) __builtin_prefetch(pre + v * next + i, 0, 3);
+        pre += kWidth, --left, due = slice.every;
+      }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const vec a = splat(x[r * ldx + k]);
@@ -98,7 +106,7 @@ inline __attribute__((always_inline)) void accumulate(vec (&acc)[R][2 * V], cons
 }
 
 template <int R, int V, Out out>
-void tile(const float* x, int64_t ldx, const float* panel, int64_t next, int64_t K, const float* ahead,
+void tile(const float* x, int64_t ldx, const float* panel, int64_t next, int64_t K, const kvgate::Ahead<float>& ahead,
           const float* bias, const float* bias_up, float* y, float* y_up, int64_t ldy, int64_t cols) {
   constexpr int64_t per_panel = out == Out::kPlain ? kWidth : kLanes;  // outputs of one panel
   vec acc[R][2 * V];
@@ -106,10 +114,10 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t next, int64_t
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < 2 * V; ++j) acc[r][j] = vec{};
-  if (ahead != nullptr)
+  if (ahead.panels != nullptr)
     accumulate<R, V, true>(acc, x, ldx, panel, next, K, ahead);
   else
-    accumulate<R, V, false>(acc, x, ldx, panel, next, K, nullptr);
+    accumulate<R, V, false>(acc, x, ldx, panel, next, K, ahead);
   float row[kWidth];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) {
@@ -137,8 +145,8 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t next, int64_t
     }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const float*, const float*,
-                        const float*, float*, float*, int64_t, int64_t);
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const kvgate::Ahead<float>&,
+                        const float*, const float*, float*, float*, int64_t, int64_t);
 
 template <int V, Out out, int... Rs>
 constexpr TileFn tile_for(int rows, std::integer_sequence<int, Rs...>) {
@@ -214,8 +222,8 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const std::
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), stride = K * kWidth;
-  // the tile of V panels from panel p over rows [r0, r0 + rows); `ahead`: panels to prefetch
-  const auto run = [&](auto panels_per_tile, int64_t p, int64_t r0, int rows, const float* ahead) {
+  // the tile of V panels from panel p over rows [r0, r0 + rows); `ahead`: what it prefetches
+  const auto run = [&](auto panels_per_tile, int64_t p, int64_t r0, int rows, const kvgate::Ahead<float>& ahead) {
     constexpr int V = decltype(panels_per_tile)::value;
     const int64_t c0 = p * per_panel, cols = std::min<int64_t>(V * per_panel, N - c0);
     const float* bp = b == nullptr ? nullptr : b + c0;
@@ -230,7 +238,8 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const std::
       for (int64_t p = p0; p < p1; ++p) {
         const float* ahead = p + 2 < P ? wp + (p + 2) * stride : nullptr;
         for (int64_t r0 = 0; r0 < M; r0 += kMaxRows)
-          run(One{}, p, r0, static_cast<int>(std::min<int64_t>(kMaxRows, M - r0)), r0 == 0 ? ahead : nullptr);
+          run(One{}, p, r0, static_cast<int>(std::min<int64_t>(kMaxRows, M - r0)),
+              kvgate::Ahead<float>{r0 == 0 ? ahead : nullptr});
       }
     });
     return y;

@@ -7,9 +7,9 @@
 // sequential stream and two vectors of it feed 32 outputs for two features. A tile covers two
 // adjacent panels and up to kRows rows: per feature pair, four weight vectors and one broadcast
 // of each row's two x values (a 32-bit load) feed 4 x kRows `vdpbf16ps`. As in the float32 kernel
-// the pair of panels stays in L2 while every row block passes over it, and the first row block
-// prefetches the pair after next. Each output is rounded to bfloat16 once, after the float32 sum
-// (and the bias), as oneDNN's bfloat16 matmul does.
+// the pair of panels stays in L2 while every row block passes over it, and the row blocks
+// prefetch the pair after next, each its slice. Each output is rounded to bfloat16 once, after
+// the float32 sum (and the bias), as oneDNN's bfloat16 matmul does.
 //
 // A gated MLP's gate|up weight packed with `pack_panels_bf16(w, gated=true)` pairs gate output i
 // with up output i in one panel (first 16 gate, then the 16 up), and `gated_panel_linear_bf16`
@@ -142,14 +142,18 @@ inline void write_row(__m512 lo, __m512 hi, const bf16* bias, const bf16* bias_u
 }
 
 // R rows at x times V adjacent panels (the second `next` elements after the first) over K2
-// feature pairs; `ahead`: panels to prefetch, or null.
+// feature pairs, prefetching `ahead`'s slice of its panels as it goes.
 template <int R, int V, Out out>
-void tile(const bf16* x, int64_t ldx, const bf16* panel, int64_t next, int64_t K2, const bf16* ahead,
-          const bf16* bias, const bf16* bias_up, bf16* y, bf16* y_up, int64_t ldy, int64_t cols) {
+void tile(const bf16* x, int64_t ldx, const bf16* panel, int64_t next, int64_t K2,
+          const kvgate::Ahead<bf16>& ahead, const bf16* bias, const bf16* bias_up, bf16* y, bf16* y_up, int64_t ldy,
+          int64_t cols) {
   constexpr int64_t per_panel = out == Out::kPlain ? kWidth : kHalf;
   __m512 acc[R][2 * V];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 2 * V; ++j) acc[r][j] = _mm512_setzero_ps();
+  const auto slice = ahead.slice(K2);
+  const bf16* pre = ahead.panels == nullptr ? nullptr : ahead.panels + slice.first * kWidth * 2;
+  int64_t left = pre == nullptr ? 0 : slice.count, due = 1;
   for (int64_t k = 0; k < K2; ++k) {
     const bf16* w = panel + k * kWidth * 2;
     __m512bh b[2 * V];
@@ -157,11 +161,13 @@ void tile(const bf16* x, int64_t ldx, const bf16* panel, int64_t next, int64_t K
       b[2 * v] = (__m512bh)_mm512_loadu_si512(w + v * next);
       b[2 * v + 1] = (__m512bh)_mm512_loadu_si512(w + v * next + 2 * kHalf);
     }
-    if (ahead != nullptr)
+    if (--due == 0 && left > 0) {
       for (int v = 0; v < V; ++v) {
-        __builtin_prefetch(ahead + v * next + k * kWidth * 2, 0, 3);
-        __builtin_prefetch(ahead + v * next + k * kWidth * 2 + 32, 0, 3);
+        __builtin_prefetch(pre + v * next, 0, 3);
+        __builtin_prefetch(pre + v * next + 32, 0, 3);
       }
+      pre += kWidth * 2, --left, due = slice.every;
+    }
     for (int r = 0; r < R; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + r * ldx + 2 * k, sizeof(pair));
@@ -178,8 +184,8 @@ void tile(const bf16* x, int64_t ldx, const bf16* panel, int64_t next, int64_t K
     }
 }
 
-using TileFn = void (*)(const bf16*, int64_t, const bf16*, int64_t, int64_t, const bf16*, const bf16*, const bf16*,
-                        bf16*, bf16*, int64_t, int64_t);
+using TileFn = void (*)(const bf16*, int64_t, const bf16*, int64_t, int64_t, const kvgate::Ahead<bf16>&,
+                        const bf16*, const bf16*, bf16*, bf16*, int64_t, int64_t);
 
 template <int V, Out out, int... Rs>
 TileFn tile_for(int rows, std::integer_sequence<int, Rs...>) {
@@ -223,7 +229,7 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const std::
   const bf16* wp = reinterpret_cast<const bf16*>(panels.data_ptr());
   bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
   const int64_t ldx = x.stride(0), stride = K2 * kWidth * 2;
-  const auto run = [&](auto panels_per_tile, int64_t p, int64_t r0, int rows, const bf16* ahead) {
+  const auto run = [&](auto panels_per_tile, int64_t p, int64_t r0, int rows, const kvgate::Ahead<bf16>& ahead) {
     constexpr int V = decltype(panels_per_tile)::value;
     const int64_t c0 = p * per_panel, cols = std::min<int64_t>(V * per_panel, N - c0);
     const bf16* bp = b == nullptr ? nullptr : b + c0;

@@ -1,6 +1,7 @@
 // How both panel kernels (panel_gemm.cpp, panel_gemm_bf16.cpp) share out a layer between threads:
 // units of two adjacent panels (the last one alone where P is odd), each over `parts` row ranges
 // so that units x parts items fill every thread, each range walked in tiles of `tile_rows` rows.
+// While a range is walked, its tiles prefetch the pair after next, each its own slice of it.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -24,10 +25,30 @@ inline int64_t row_parts(int64_t units, int64_t threads) {
   return best;
 }
 
+// What one tile prefetches: `tile` of `tiles` equal slices of the K rows of `panels` (null: none),
+// one row every few steps of its own K loop. Spread over all the tiles of a range, the next pair
+// streams in at the pace the range computes; all of it in the first tile would ask for it faster
+// than one core can read memory and leave the later tiles with nothing in flight.
+template <typename Elem>
+struct Ahead {
+  const Elem* panels = nullptr;
+  int64_t tile = 0, tiles = 1;
+
+  // rows [first, first + count) of K, one every `every` steps of a K loop
+  struct Slice {
+    int64_t first, count, every;
+  };
+  Slice slice(int64_t K) const {
+    const int64_t per = (K + tiles - 1) / tiles, first = std::min(K, tile * per);
+    const int64_t count = std::min(per, K - first);
+    return {first, count, count > 0 ? std::max<int64_t>(1, K / count) : K + 1};
+  }
+};
+
 // Every tile of P panels over M rows, in parallel: run(Two{}, p, r0, rows, ahead) for panels p and
-// p + 1 over rows [r0, r0 + rows), run(One{}, ...) for a last odd panel. `ahead` is the panel
-// pair after next (from `panels`, `stride` elements apart) for the first tile of each range to
-// prefetch while the pair stays in L2, else nullptr.
+// p + 1 over rows [r0, r0 + rows), run(One{}, ...) for a last odd panel. `ahead` names the panel
+// pair after next (from `panels`, `stride` elements apart) and this tile's slice of it, to
+// prefetch while the current pair stays in L2 (no panels where there is no such pair).
 template <typename Elem, typename Run>
 void for_each_panel_pair(int64_t P, int64_t M, int64_t tile_rows, const Elem* panels, int64_t stride, const Run& run) {
   using One = std::integral_constant<int, 1>;
@@ -40,12 +61,13 @@ void for_each_panel_pair(int64_t P, int64_t M, int64_t tile_rows, const Elem* pa
       const int64_t u = i / parts, m0 = (i % parts) * part_rows, m1 = std::min(M, m0 + part_rows);
       const int64_t p = 2 * u;
       const Elem* ahead = p + 4 < P && M >= tile_rows ? panels + (p + 4) * stride : nullptr;
-      for (int64_t r0 = m0; r0 < m1; r0 += tile_rows) {
+      const int64_t tiles = (m1 - m0 + tile_rows - 1) / tile_rows;
+      for (int64_t t = 0, r0 = m0; r0 < m1; ++t, r0 += tile_rows) {
         const int rows = static_cast<int>(std::min<int64_t>(tile_rows, m1 - r0));
         if (p + 1 < P)
-          run(Two{}, p, r0, rows, r0 == m0 ? ahead : nullptr);
+          run(Two{}, p, r0, rows, Ahead<Elem>{ahead, t, tiles});
         else
-          run(One{}, p, r0, rows, static_cast<const Elem*>(nullptr));
+          run(One{}, p, r0, rows, Ahead<Elem>{});
       }
     }
   });
