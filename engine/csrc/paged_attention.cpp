@@ -5,7 +5,7 @@
 // read where it lies in the block pool, a bfloat16 one copied out first (below). Each K/V row is
 // loaded once for the query heads that share its KV head (GQA, up to three at a time). Each
 // split keeps its own softmax max, sum and weighted values, merged at the end (the usual
-// log-sum-exp combination).
+// log-sum-exp combination). Units go to whichever thread is free first (claim.h).
 //
 // Shapes (float32 or bfloat16 q and pool, computed in float32; the layouts engine/attention.py has):
 //   q          [T, H, D]                 contiguous; rows of span s are q_start[s] .. q_start[s+1]-1
@@ -30,6 +30,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "claim.h"
 #include "paged_inputs.h"
 #include "vec_math.h"
 
@@ -245,12 +246,12 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
   const int64_t block_stride = k_cache.stride(0);
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+  kvgate::parallel_claim(static_cast<int64_t>(units.size()), [&](const auto& claim) {
     std::vector<float> qbuf(max_rows * H * D), scores;
     std::vector<int64_t> offsets;
     std::vector<const Elem*> ptrs;
     std::vector<Elem> kloc, vloc;
-    for (int64_t u = begin; u < end; ++u) {
+    for (int64_t u = claim(); u >= 0; u = claim()) {
       const Unit& unit = units[u];
       const int64_t s = unit.span, n = starts[s + 1] - starts[s], ctx = lens[s];
       const int64_t keys = unit.key_end - unit.key_begin;

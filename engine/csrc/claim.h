@@ -1,0 +1,28 @@
+// Work items handed out one at a time to whichever thread is free first. A static split gives each
+// thread a fixed share, and the first to finish waits for the other at the end of the region:
+// long when the items differ in cost, or when a thread starts late or loses its core for a while
+// to another process on the same cores (the API process, the disk writers).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+namespace kvgate {
+
+// Calls worker(claim) once on each of up to min(n, threads) threads; claim() returns the next
+// unclaimed item of [0, n), or -1 once none is left. Items go out in order.
+template <typename Worker>
+void parallel_claim(int64_t n, const Worker& worker) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  const auto claim = [&]() -> int64_t {
+    const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
+    return item < n ? item : -1;
+  };
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) { worker(claim); });
+}
+
+}  // namespace kvgate
