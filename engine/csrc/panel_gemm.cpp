@@ -17,8 +17,8 @@
 // float32 kernels use. The pair (K x 2 kWidth x 4 bytes) stays in L2 while every row block passes
 // over it; with a full row block, the row blocks prefetch the pair after next, each its slice of
 // it (panel_schedule.h `Ahead`), so its stream is in flight, at the pace the blocks compute,
-// before the kernel reaches it. With 16 vector registers
-// (AVX2), or a layer of one panel, a tile covers one panel with kMaxRows x 2 accumulators.
+// before the kernel reaches it. With 16 vector registers (AVX2), or a layer of one panel, a tile
+// covers one panel with kMaxRows x 2 accumulators.
 //
 // Shapes: x [M, K] (any row stride, unit column stride); panels [P, K, kWidth] from
 // `pack_panels` (columns past N zero); bias [N] or none. Returns [M, N].
@@ -70,7 +70,7 @@ enum class Out { kPlain, kSplit, kSiluMul };
 
 // The outputs of the R rows at x for V adjacent panels (the second `next` floats after the first);
 // `cols`: valid outputs over the V panels (of kWidth per panel for kPlain, of kLanes per half
-// otherwise); bias (bias_up: of the up halves) or null; `ahead`: panels to prefetch, or null.
+// otherwise); bias (bias_up: of the up halves) or null; `ahead`: what to prefetch (no panels: nothing).
 // acc += the R rows at x times V adjacent panels over K; with kAhead, prefetching `ahead`'s slice
 // of its panels as it goes (a separate loop: the test would sit in the inner loop otherwise).
 template <int R, int V, bool kAhead>
