@@ -210,12 +210,15 @@ def run(name: str, args: argparse.Namespace, keep: Path | None) -> dict[str, Any
         out["tiers"] = shares([sources(b, a) for b, a in zip(before, after, strict=True)])
         out["decisions"] = {k: v - state_before["decisions"].get(k, 0) for k, v in state["decisions"].items()}
         out["replicas"] = [{"name": n, "routed": r["routed"] - rb["routed"], "errors": r["errors"],
-                            "healthy": r["healthy"], "index_blocks": r["index_blocks"], "event_batches": r["event_batches"],
+                            "broken": r["broken"] - rb["broken"], "healthy": r["healthy"],
+                            "index_blocks": r["index_blocks"], "event_batches": r["event_batches"],
                             "gaps": r["gaps"], "resets": r["resets"]}
                            for n, r, rb in zip("ab", state["replicas"], state_before["replicas"], strict=True)]
         if kill:
             assert at_kill is not None
-            out["kill"]["lost_at_most"] = at_kill["in_flight"]
+            # the streams it broke off mid-way as the router saw them: the in-flight count of the
+            # snapshot misses a request routed between the snapshot and the signal
+            out["kill"]["lost_at_most"] = out["replicas"][1]["broken"]
             out["kill"]["retried"] = out["decisions"].get("retried", 0)
         t = out["tiers"]
         say(f"{name}: {out['requests']} requests, {out['failures']} failures; cached {t['hit_share']:.1%} of prompt "
@@ -280,7 +283,8 @@ def print_tables(result: dict[str, Any]) -> None:
     kill = (runs.get("prefix_kill") or {}).get("kill")
     if kill:
         print(f"\nprefix_kill: replica {kill['replica']} SIGKILLed at {kill['at_s']:.0f} s with {kill['in_flight']} "
-              f"request(s) in flight on it; {runs['prefix_kill']['failures']} request(s) failed, "
+              f"request(s) in flight on it; it broke off {kill['lost_at_most']} stream(s); "
+              f"{runs['prefix_kill']['failures']} request(s) failed, "
               f"{kill['retried']} retried on the other replica.")
 
 

@@ -239,7 +239,8 @@ class Router:
         merged["replicas"] = len(answers)
         return JSONResponse(merged)
 
-    async def _stream(self, response: httpx.Response, load: _Load, first_answer: int) -> AsyncIterator[bytes]:
+    @staticmethod
+    async def _stream(response: httpx.Response, load: _Load, first_answer: int) -> AsyncIterator[bytes]:
         """Relay ``response``; the prompt part of ``load`` ends with the ``first_answer``-th event of
         a stream (any byte of another answer)."""
         sse = response.headers.get("content-type", "").startswith("text/event-stream")
@@ -252,6 +253,7 @@ class Router:
                         load.answered()
                 yield chunk
         except httpx.TransportError as exc:
+            load.replica.broken += 1
             logger.warning("router: a replica broke off a response (%s)", type(exc).__name__)
             if sse:
                 error = {"error": {"message": "The replica serving this stream stopped; retry the request.",

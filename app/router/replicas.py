@@ -47,6 +47,7 @@ class Replica:
     in_flight: int = 0
     routed: int = 0
     errors: int = 0  # requests that failed to reach it (retried elsewhere)
+    broken: int = 0  # answers it broke off after the router had begun relaying them (lost to the client)
     events: int = 0  # event batches applied
     gaps: int = 0  # sequence gaps seen
     replayed: int = 0  # batches recovered through the replay socket
@@ -63,7 +64,7 @@ class Replica:
                 "model": (self.info or {}).get("model"), "instance": (self.info or {}).get("instance"),
                 "events_endpoint": self.events_endpoint, "replay_endpoint": self.replay_endpoint,
                 "outstanding_tokens": self.outstanding, "in_flight": self.in_flight, "routed": self.routed,
-                "errors": self.errors, "event_batches": self.events, "gaps": self.gaps,
+                "errors": self.errors, "broken": self.broken, "event_batches": self.events, "gaps": self.gaps,
                 "replayed": self.replayed, "resets": self.resets, "index_blocks": self.index.blocks()}
 
 

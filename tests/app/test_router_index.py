@@ -1,17 +1,19 @@
 """The router's index and score, from tables: a prefix held in memory beats one on disk beats
 one in a shared store beats none, load weighs against it by the one knob, ties share the load, a
 request's prompt leaves the load with its first answer byte, and the event feed applies batches
-in order and clears (never guesses) when a gap cannot be filled."""
+in order and clears (never guesses) when a gap cannot be filled; a stream a replica breaks off
+ends with an error event and counts against it."""
 
 from __future__ import annotations
 
 import asyncio
 
+import httpx
 import msgpack
 import pytest
 
 from app.router.index import ReplicaIndex, choose, estimate
-from app.router.relay import _Load
+from app.router.relay import Router, _Load
 from app.router.replicas import EventFeed, Replica
 
 pytestmark = pytest.mark.unit
@@ -79,6 +81,29 @@ def test_a_request_weighs_its_prompt_until_answered_and_its_output_until_the_end
     unanswered = _Load(replica, prompt=300, generate=64)
     unanswered.end()
     assert (replica.outstanding, replica.in_flight) == (0, 0)
+
+
+class _BrokenOff(httpx.AsyncByteStream):
+    """A replica's SSE answer that stops after its first two events (the process died)."""
+
+    async def __aiter__(self):
+        yield b'data: {"role": "assistant"}\n\n'
+        yield b'data: {"text": "a"}\n\n'
+        raise httpx.ReadError("connection reset by peer")
+
+
+def test_a_stream_broken_off_mid_way_ends_with_an_error_event_and_is_counted() -> None:
+    replica = Replica("http://r")
+    response = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_BrokenOff())
+
+    async def relay() -> list[bytes]:
+        return [chunk async for chunk in Router._stream(response, _Load(replica, prompt=30, generate=8), 2)]
+
+    chunks = asyncio.run(relay())
+    assert chunks[:2] == [b'data: {"role": "assistant"}\n\n', b'data: {"text": "a"}\n\n']
+    assert b'"code": "replica_lost"' in chunks[2] and chunks[2].endswith(b"data: [DONE]\n\n")
+    assert (replica.broken, replica.errors, replica.outstanding, replica.in_flight) == (1, 0, 0, 0)
+    assert replica.snapshot()["broken"] == 1
 
 
 def test_ties_go_to_fewer_in_flight_then_in_turn() -> None:
