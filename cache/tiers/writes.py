@@ -169,8 +169,9 @@ class WritePath(ChainState):
     def note_computed(self, key: bytes, copy: Callable[[], bytes | None], owner: str = UNKNOWN) -> None:
         """Written behind (``persist = "behind"`` or ``"idle"``): a device block was just computed;
         ``copy`` (called on a writer thread) returns its bytes, None once the block is gone, or
-        `RETRY` when the copy may be torn and should be made again later. With ``admit = "second_use"`` only a block used
-        again is taken (or one computed again after being dropped)."""
+        `RETRY` when the copy may be torn and should be made again later. With ``admit =
+        "second_use"`` only a block used again is taken (or one computed again after being
+        dropped)."""
         self._seen_again(key)
         if self.writes_behind and self.stores and key not in self._unpersisted and self.admits(key):
             self._unpersisted[key] = (copy, owner)
