@@ -18,7 +18,8 @@
 // over it; with a full row block, the row blocks prefetch the pair after next, each its slice of
 // it (panel_schedule.h `Ahead`), so its stream is in flight, at the pace the blocks compute,
 // before the kernel reaches it. With 16 vector registers (AVX2), or a layer of one panel, a tile
-// covers one panel with kMaxRows x 2 accumulators.
+// covers one panel with kMaxRows x 2 accumulators, and the tiles over a panel prefetch the panel
+// after next in slices the same way (a single row prefetches nothing).
 //
 // Shapes: x [M, K] (any row stride, unit column stride); panels [P, K, kWidth] from
 // `pack_panels` (columns past N zero); bias [N] or none. Returns [M, N].
@@ -234,12 +235,16 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const std::
   };
   using One = std::integral_constant<int, 1>;
   if (!kTwoPanels || P < 2) {
+    // Each tile of a panel prefetches its slice of the panel after next, as the pair tiles do
+    // (all of it in the first tile left the later ones waiting on memory). A single row streams
+    // faster on the hardware prefetchers alone (docs/engine.md).
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
-        const float* ahead = p + 2 < P ? wp + (p + 2) * stride : nullptr;
-        for (int64_t r0 = 0; r0 < M; r0 += kMaxRows)
+        const float* ahead = M > 1 && p + 2 < P ? wp + (p + 2) * stride : nullptr;
+        const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
+        for (int64_t t = 0, r0 = 0; r0 < M; ++t, r0 += kMaxRows)
           run(One{}, p, r0, static_cast<int>(std::min<int64_t>(kMaxRows, M - r0)),
-              kvgate::Ahead<float>{r0 == 0 ? ahead : nullptr});
+              kvgate::Ahead<float>{ahead, t, tiles});
       }
     });
     return y;
