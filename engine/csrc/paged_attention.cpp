@@ -255,9 +255,6 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
       const Unit& unit = units[u];
       const int64_t s = unit.span, n = starts[s + 1] - starts[s], ctx = lens[s];
       const int64_t keys = unit.key_end - unit.key_begin;
-      // K/V rows of this split's keys lie in blocks far apart in the pool, each a few KiB that
-      // the hardware prefetcher does not reach in time: ask for all of them up front (the split
-      // fits in L2), then score and weigh them head by head.
       offsets.resize(keys);
       // A split's K/V lie in blocks far apart in the pool. A bfloat16 split is copied into a
       // buffer of its own first: the copy streams the pieces in at memory speed, where scoring
