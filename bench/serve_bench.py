@@ -30,6 +30,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT.parent / "shared" / "peers"
+SEED = 20261202  # load.py's default prompt seed; an interleaved run r uses SEED + r on both servers
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,6 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "level sends max(16, the highest level) requests, so every level can fill its slots")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="dtype of both servers (`kvgate serve --dtype`, vLLM's --dtype; default float32)")
+    p.add_argument("--interleave", action="store_true",
+                   help="start KVGate and vLLM once, side by side, and alternate them part by part (each "
+                        "concurrency level, then the 2k prefix part), the first of each pair swapping every "
+                        "time, each part run once per --runs with that run's own prompts; the table adds the "
+                        "median of the per-pair ratios. For a VM whose speed drifts over minutes: the two "
+                        "figures of a pair are taken a minute apart, not ten")
     p.add_argument("--load-args", default="", help="extra arguments for load.py, one string (e.g. '--runs 1')")
     p.add_argument("--json-out", type=Path, default=None, help="write every run's raw results here")
     p.add_argument("--plot-out", type=Path, default=None, help="write a PNG plot here (needs matplotlib)")
@@ -124,16 +131,119 @@ def run_server(name: str, argv: list[str], env: dict[str, str], model_id: str | 
                     model_id = json.load(response)["data"][0]["id"]
             say(f"{name}: ready; running the load client")
             assert model_id is not None
-            cmd = [sys.executable, str(args.load_py), "--base-url", url, "--model", model_id, "--label", name,
-                   "--conc", ",".join(map(str, args.conc_list)), "--requests", str(max(16, *args.conc_list)),
-                   *args.load_args.split()]
-            result = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            for line in result.stdout.splitlines():
-                if not line.startswith("JSON "):
-                    say(f"  {line}")
-            return json.loads(next(line for line in result.stdout.splitlines() if line.startswith("JSON "))[5:])
+            return load_client(args, url, model_id, name, ["--conc", ",".join(map(str, args.conc_list))])
         finally:
             stop(proc)
+
+
+def load_client(args: argparse.Namespace, url: str, model_id: str, label: str, extra: list[str]) -> dict[str, Any]:
+    """Run the shared load client against ``url`` and return its JSON report."""
+    cmd = [sys.executable, str(args.load_py), "--base-url", url, "--model", model_id, "--label", label,
+           "--requests", str(max(16, *args.conc_list)), *extra, *args.load_args.split()]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    for line in result.stdout.splitlines():
+        if not line.startswith("JSON "):
+            say(f"  {line}")
+    return json.loads(next(line for line in result.stdout.splitlines() if line.startswith("JSON "))[5:])
+
+
+def parts(levels: list[int]) -> list[list[str]]:
+    """The load client's arguments for each part of an interleaved run: one per concurrency
+    level (the throughput workload alone), then the 2k prefix workload."""
+    return [["--workloads", "a", "--conc", str(level)] for level in levels] + [["--workloads", "b"]]
+
+
+def pair_order(run: int, part: int) -> tuple[str, str]:
+    """Which system goes first in a pair: swapped from one pair to the next, so neither is always
+    the one measured right after the other's load (or always first on a fresh run)."""
+    return ("kvgate", "vllm") if (run + part) % 2 == 0 else ("vllm", "kvgate")
+
+
+def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's per-part load reports as one report: every throughput row, the prefix part."""
+    merged: dict[str, Any] = {"a": []}
+    for report in reports:
+        merged["a"].extend(report.get("a", []))
+        if report.get("b"):
+            merged["b"] = report["b"]
+    return merged
+
+
+def pair_ratios(kvgate: list[dict[str, float]], vllm: list[dict[str, float]]) -> dict[str, float]:
+    """Median over runs of each run's KVGate/vLLM ratio (> 1 = KVGate better: tok/s over tok/s,
+    vLLM's time over KVGate's for a TTFT), for the keys both runs have."""
+    out: dict[str, list[float]] = {}
+    for kv, vl in zip(kvgate, vllm, strict=False):
+        for key in kv.keys() & vl.keys():
+            if kv[key] and vl[key]:
+                out.setdefault(key, []).append(kv[key] / vl[key] if key.startswith("tok_s") else vl[key] / kv[key])
+    return {key: statistics.median(values) for key, values in out.items()}
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time used so far by the processes in the sessions of ``pids`` (their children too)."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) in pids:  # the session id (field 6 of stat)
+            total += int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def wait_quiet(pids: list[int], timeout_s: float = 60.0, window_s: float = 1.0, most: float = 0.05) -> float:
+    """Wait until the servers in the sessions of ``pids`` use less than ``most`` of a core over a
+    ``window_s`` window (a server writing its cache behind after a load is not idle), at most
+    ``timeout_s``; returns the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        before = cpu_seconds(pids)
+        time.sleep(window_s)
+        if cpu_seconds(pids) - before < most * window_s:
+            return time.monotonic() - t0
+    say(f"  the servers still use CPU after {timeout_s:.0f} s; measuring anyway")
+    return time.monotonic() - t0
+
+
+def run_interleaved(args: argparse.Namespace, kvgate: tuple[list[str], int], vllm: tuple[list[str], int],
+                    env: dict[str, str], logs: Path) -> dict[str, list[dict[str, Any]]]:
+    """Both servers up at once (``(argv, port)`` each); each part of each run measured on both, one
+    right after the other."""
+    raw: dict[str, list[dict[str, Any]]] = {"kvgate": [], "vllm": []}
+    procs: dict[str, subprocess.Popen] = {}
+    urls: dict[str, str] = {}
+    models: dict[str, str] = {"vllm": "smollm2"}
+    try:
+        for name, (argv, port), run_env, ready, timeout in (
+                ("kvgate", kvgate, dict(os.environ), "/ready", 600.0),
+                ("vllm", vllm, env, "/v1/models", args.vllm_start_timeout)):
+            say(f"{name}: starting ({logs / f'{name}_interleaved.log'})")
+            with (logs / f"{name}_interleaved.log").open("w") as out:
+                procs[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=run_env, cwd=ROOT,
+                                               start_new_session=True)
+            urls[name] = f"http://127.0.0.1:{port}"
+            wait_ready(urls[name], procs[name], timeout, ready)
+        with urllib.request.urlopen(urls["kvgate"] + "/v1/models", timeout=10) as response:
+            models["kvgate"] = json.load(response)["data"][0]["id"]
+        pids = [proc.pid for proc in procs.values()]
+        for run in range(1, args.runs + 1):
+            reports: dict[str, list[dict[str, Any]]] = {"kvgate": [], "vllm": []}
+            for index, extra in enumerate(parts(args.conc_list)):
+                for name in pair_order(run, index):
+                    waited = wait_quiet(pids)
+                    say(f"run {run}/{args.runs}, {name}: {' '.join(extra)} (after {waited:.0f} s quiet wait)")
+                    reports[name].append(load_client(args, urls[name], models[name], name,
+                                                     [*extra, "--seed", str(SEED + run)]))
+            for name in raw:
+                raw[name].append(merge(reports[name]))
+    finally:
+        for proc in procs.values():
+            stop(proc)
+    return raw
 
 
 def vllm_command(args: argparse.Namespace, model_dir: Path, port: int) -> list[str]:
@@ -184,7 +294,9 @@ def medians(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(row[k] for row in rows if k in row) for k in keys}
 
 
-def table(results: dict[str, dict[str, float]], levels: list[int] = [1, 4, 16]) -> str:  # noqa: B006
+def table(results: dict[str, dict[str, float]], levels: list[int] = [1, 4, 16],  # noqa: B006
+          pairs: dict[str, float] | None = None) -> str:
+    """Medians per system, their ratio and, where given, the median of the per-pair ratios."""
     top = max(levels)
     cols = [*((f"tok_s_c{c}", f"tok/s c={c}") for c in levels),
             (f"ttft_p50_c{top}", f"TTFT p50 c={top} (s)"), ("cold_s", "2k cold (s)"), ("cached_s", "1,984 cached (s)"),
@@ -203,6 +315,9 @@ def table(results: dict[str, dict[str, float]], levels: list[int] = [1, 4, 16]) 
             else:
                 cells.append("—")
         lines.append("| KVGate vs vLLM (>1 = KVGate better) | " + " | ".join(cells) + " |")
+    if pairs:
+        cells = [f"{pairs[k]:.2f}×" if k in pairs else "—" for k, _ in cols]
+        lines.append("| median of the per-pair ratios | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -251,7 +366,19 @@ def main(argv: list[str] | None = None) -> int:
     raw: dict[str, list[dict[str, Any]]] = {"kvgate": [], "vllm": [], "plain": []}
     import shutil
 
-    for run in range(1, args.runs + 1):
+    if args.interleave:
+        if args.vllm_python is None:
+            print("serve_bench: error: --interleave alternates KVGate and vLLM; pass --vllm-python", file=sys.stderr)
+            return 2
+        kv_port, vl_port = free_port(), free_port()
+        extra = args.kvgate_args.split()
+        if "--disk-cache" not in extra:
+            extra += ["--disk-cache", str(logs / f"kv_run0_{os.getpid()}")]
+        raw.update(run_interleaved(
+            args, ([kvgate, "serve", "--model", args.model, "--dtype", args.dtype, "--port", str(kv_port),
+                    "--log-level", "warning", *extra], kv_port),
+            (vllm_command(args, vllm_dir, vl_port), vl_port), dict(os.environ, VLLM_PY=str(args.vllm_python)), logs))
+    for run in range(1, 0 if args.interleave else args.runs + 1):
         say(f"run {run}/{args.runs}")
         port = free_port()
         extra = args.kvgate_args.split()
@@ -278,10 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("kvgate", "vllm"):
         if raw[name]:
             results[name] = medians([figures(r) for r in raw[name]])
+    ratios = pair_ratios([figures(r) for r in raw["kvgate"]], [figures(r) for r in raw["vllm"]])
     print(f"medians over {args.runs} run(s); TTFT ratios are vLLM / KVGate\n")
-    print(table(results, args.conc_list))
+    print(table(results, args.conc_list, ratios if args.interleave else None))
     if args.json_out is not None:
-        args.json_out.write_text(json.dumps({"raw": raw, "medians": results, "dtype": args.dtype,
+        args.json_out.write_text(json.dumps({"raw": raw, "medians": results, "pair_ratios": ratios,
+                                             "interleaved": args.interleave, "dtype": args.dtype,
                                              "conc": args.conc_list}, indent=1))
     if args.plot_out is not None:
         plot(results, args.plot_out, args.conc_list, args.dtype)

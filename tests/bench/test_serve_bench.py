@@ -43,3 +43,56 @@ def test_the_table_has_a_column_per_level_and_ratios() -> None:
     text = serve_bench.table(rows, [1, 64])
     assert "tok/s c=64" in text and "TTFT p50 c=64 (s)" in text
     assert "| KVGate vs vLLM (>1 = KVGate better) | 2.00× | 2.00× | 2.00× | 2.00× |" in text
+
+
+def test_interleaving_alternates_the_first_of_each_pair_and_merges_the_parts() -> None:
+    assert serve_bench.parse_args(["--interleave"]).interleave and not serve_bench.parse_args([]).interleave
+    assert serve_bench.parts([1, 16]) == [["--workloads", "a", "--conc", "1"], ["--workloads", "a", "--conc", "16"],
+                                          ["--workloads", "b"]]
+    firsts = [serve_bench.pair_order(run, part)[0] for run in (1, 2) for part in range(3)]
+    assert firsts == ["vllm", "kvgate", "vllm", "kvgate", "vllm", "kvgate"]
+    assert all(sorted(serve_bench.pair_order(run, part)) == ["kvgate", "vllm"] for run in (1, 2) for part in range(3))
+    a1 = {"conc": 1, "tok_s": 30.0, "ttft_p50_s": 0.2}
+    a16 = {"conc": 16, "tok_s": 90.0, "ttft_p50_s": 3.0}
+    b = {"cold": {"ttft_median_s": 4.0}}
+    merged = serve_bench.merge([{"a": [a1]}, {"a": [a16]}, {"a": [], "b": b}])
+    assert merged == {"a": [a1, a16], "b": b}
+    assert serve_bench.figures(merged) == {"tok_s_c1": 30.0, "tok_s_c16": 90.0, "ttft_p50_c1": 0.2,
+                                           "ttft_p50_c16": 3.0, "cold_s": 4.0}
+
+
+def test_pair_ratios_are_taken_per_run_before_the_median() -> None:
+    kvgate = [{"tok_s_c16": 100.0, "cold_s": 4.0}, {"tok_s_c16": 60.0, "cold_s": 5.0}, {"tok_s_c16": 90.0}]
+    vllm = [{"tok_s_c16": 50.0, "cold_s": 8.0}, {"tok_s_c16": 60.0, "cold_s": 5.0}, {"tok_s_c16": 100.0}]
+    ratios = serve_bench.pair_ratios(kvgate, vllm)
+    # per run 2.0, 1.0, 0.9 -> 1.0; the ratio of the medians (90 / 60) would say 1.5
+    assert ratios["tok_s_c16"] == pytest.approx(1.0) and ratios["cold_s"] == pytest.approx(1.5)
+    rows = {"kvgate": serve_bench.medians(kvgate), "vllm": serve_bench.medians(vllm)}
+    text = serve_bench.table(rows, [16], ratios)
+    assert "| KVGate vs vLLM (>1 = KVGate better) | 1.50× |" in text
+    assert "| median of the per-pair ratios | 1.00× | — | 1.50× | — | — |" in text
+    assert "per-pair" not in serve_bench.table(rows, [16])
+
+
+def test_interleaving_needs_vllm(capsys) -> None:
+    assert serve_bench.main(["--interleave", "--load-py", __file__]) == 2
+    assert "pass --vllm-python" in capsys.readouterr().err
+
+
+def test_the_quiet_wait_sees_a_busy_session_and_an_idle_one() -> None:
+    """A process spinning on a core keeps the wait going until its timeout; a sleeping one not."""
+    import subprocess
+    import sys
+    import time
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    idle = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        time.sleep(0.3)
+        assert serve_bench.cpu_seconds([busy.pid]) > 0.0
+        assert serve_bench.wait_quiet([busy.pid], timeout_s=1.5, window_s=0.5) >= 1.5
+        assert serve_bench.wait_quiet([idle.pid], timeout_s=5.0, window_s=0.5) < 1.5
+    finally:
+        for proc in (busy, idle):
+            proc.kill()
+            proc.wait()
