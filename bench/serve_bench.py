@@ -10,7 +10,8 @@ writes the raw results as JSON and a PNG plot.
     .venv/bin/python -m bench.serve_bench --vllm-python /path/to/vllm-venv/bin/python \\
         --json-out docs/bench_serve.json --plot-out docs/bench_serve.png
 
-Without ``--vllm-python`` only KVGate (and the plain loop) run. See bench/README.md.
+Without ``--vllm-python`` only KVGate (and the plain loop) run. ``--interleave`` keeps both servers
+up and measures each part on both a minute apart instead. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -378,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             args, ([kvgate, "serve", "--model", args.model, "--dtype", args.dtype, "--port", str(kv_port),
                     "--log-level", "warning", *extra], kv_port),
             (vllm_command(args, vllm_dir, vl_port), vl_port), dict(os.environ, VLLM_PY=str(args.vllm_python)), logs))
+        if not args.no_plain:  # in process, once the servers are down
+            raw["plain"] = [run_plain(args.model, args.dtype) for _ in range(args.runs)]
     for run in range(1, 0 if args.interleave else args.runs + 1):
         say(f"run {run}/{args.runs}")
         port = free_port()
