@@ -118,23 +118,41 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def run_server(name: str, argv: list[str], env: dict[str, str], model_id: str | None, ready_path: str,
-               start_timeout: float, args: argparse.Namespace, port: int, log: Path) -> dict[str, Any]:
+def start_server(name: str, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """Start a server in a session of its own (so `stop` and `wait_quiet` reach its children),
+    its output to ``log``."""
     say(f"{name}: starting ({log})")
     with log.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                start_new_session=True)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_ready(url, proc, start_timeout, ready_path)
-            if model_id is None:
-                with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
-                    model_id = json.load(response)["data"][0]["id"]
-            say(f"{name}: ready; running the load client")
-            assert model_id is not None
-            return load_client(args, url, model_id, name, ["--conc", ",".join(map(str, args.conc_list))])
-        finally:
-            stop(proc)
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+
+
+def served_model(url: str) -> str:
+    """The id of the model a server at ``url`` serves (its first)."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
+        return str(json.load(response)["data"][0]["id"])
+
+
+def kvgate_command(args: argparse.Namespace, kvgate: str, port: int, disk: Path) -> list[str]:
+    """`kvgate serve` on ``port``, with a disk tier in ``disk`` unless --kvgate-args names one (a
+    fresh folder, so the seeded prompts start cold)."""
+    extra = args.kvgate_args.split()
+    if "--disk-cache" not in extra:
+        extra += ["--disk-cache", str(disk)]
+    return [kvgate, "serve", "--model", args.model, "--dtype", args.dtype, "--port", str(port),
+            "--log-level", "warning", *extra]
+
+
+def run_server(name: str, argv: list[str], env: dict[str, str], model_id: str | None, ready_path: str,
+               start_timeout: float, args: argparse.Namespace, port: int, log: Path) -> dict[str, Any]:
+    proc = start_server(name, argv, env, log)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, proc, start_timeout, ready_path)
+        model_id = model_id or served_model(url)
+        say(f"{name}: ready; running the load client")
+        return load_client(args, url, model_id, name, ["--conc", ",".join(map(str, args.conc_list))])
+    finally:
+        stop(proc)
 
 
 def load_client(args: argparse.Namespace, url: str, model_id: str, label: str, extra: list[str]) -> dict[str, Any]:
@@ -170,14 +188,19 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def ratio(key: str, kvgate: float, vllm: float) -> float:
+    """KVGate against vLLM for one figure, > 1 = KVGate better: tok/s over tok/s, vLLM's time over
+    KVGate's for a TTFT."""
+    return kvgate / vllm if key.startswith("tok_s") else vllm / kvgate
+
+
 def pair_ratios(kvgate: list[dict[str, float]], vllm: list[dict[str, float]]) -> dict[str, float]:
-    """Median over runs of each run's KVGate/vLLM ratio (> 1 = KVGate better: tok/s over tok/s,
-    vLLM's time over KVGate's for a TTFT), for the keys both runs have."""
+    """Median over runs of each run's `ratio`, for the keys both runs have."""
     out: dict[str, list[float]] = {}
     for kv, vl in zip(kvgate, vllm, strict=False):
         for key in kv.keys() & vl.keys():
             if kv[key] and vl[key]:
-                out.setdefault(key, []).append(kv[key] / vl[key] if key.startswith("tok_s") else vl[key] / kv[key])
+                out.setdefault(key, []).append(ratio(key, kv[key], vl[key]))
     return {key: statistics.median(values) for key, values in out.items()}
 
 
@@ -222,14 +245,10 @@ def run_interleaved(args: argparse.Namespace, kvgate: tuple[list[str], int], vll
         for name, (argv, port), run_env, ready, timeout in (
                 ("kvgate", kvgate, dict(os.environ), "/ready", 600.0),
                 ("vllm", vllm, env, "/v1/models", args.vllm_start_timeout)):
-            say(f"{name}: starting ({logs / f'{name}_interleaved.log'})")
-            with (logs / f"{name}_interleaved.log").open("w") as out:
-                procs[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=run_env, cwd=ROOT,
-                                               start_new_session=True)
+            procs[name] = start_server(name, argv, run_env, logs / f"{name}_interleaved.log")
             urls[name] = f"http://127.0.0.1:{port}"
             wait_ready(urls[name], procs[name], timeout, ready)
-        with urllib.request.urlopen(urls["kvgate"] + "/v1/models", timeout=10) as response:
-            models["kvgate"] = json.load(response)["data"][0]["id"]
+        models["kvgate"] = served_model(urls["kvgate"])
         pids = [proc.pid for proc in procs.values()]
         for run in range(1, args.runs + 1):
             reports: dict[str, list[dict[str, Any]]] = {"kvgate": [], "vllm": []}
@@ -311,8 +330,7 @@ def table(results: dict[str, dict[str, float]], levels: list[int] = [1, 4, 16], 
         cells = []
         for k, _ in cols:
             if k in kv and k in vl and vl[k] and kv[k]:
-                ratio = kv[k] / vl[k] if k.startswith("tok_s") else vl[k] / kv[k]
-                cells.append(f"{ratio:.2f}×")
+                cells.append(f"{ratio(k, kv[k], vl[k]):.2f}×")
             else:
                 cells.append("—")
         lines.append("| KVGate vs vLLM (>1 = KVGate better) | " + " | ".join(cells) + " |")
@@ -372,24 +390,16 @@ def main(argv: list[str] | None = None) -> int:
             print("serve_bench: error: --interleave alternates KVGate and vLLM; pass --vllm-python", file=sys.stderr)
             return 2
         kv_port, vl_port = free_port(), free_port()
-        extra = args.kvgate_args.split()
-        if "--disk-cache" not in extra:
-            extra += ["--disk-cache", str(logs / f"kv_run0_{os.getpid()}")]
         raw.update(run_interleaved(
-            args, ([kvgate, "serve", "--model", args.model, "--dtype", args.dtype, "--port", str(kv_port),
-                    "--log-level", "warning", *extra], kv_port),
+            args, (kvgate_command(args, kvgate, kv_port, logs / f"kv_run0_{os.getpid()}"), kv_port),
             (vllm_command(args, vllm_dir, vl_port), vl_port), dict(os.environ, VLLM_PY=str(args.vllm_python)), logs))
         if not args.no_plain:  # in process, once the servers are down
             raw["plain"] = [run_plain(args.model, args.dtype) for _ in range(args.runs)]
     for run in range(1, 0 if args.interleave else args.runs + 1):
         say(f"run {run}/{args.runs}")
         port = free_port()
-        extra = args.kvgate_args.split()
-        if "--disk-cache" not in extra:  # a fresh disk tier per run: seeded prompts must start cold
-            extra += ["--disk-cache", str(logs / f"kv_run{run}_{os.getpid()}")]
         raw["kvgate"].append(run_server(
-            "kvgate", [kvgate, "serve", "--model", args.model, "--dtype", args.dtype, "--port", str(port),
-                       "--log-level", "warning", *extra],
+            "kvgate", kvgate_command(args, kvgate, port, logs / f"kv_run{run}_{os.getpid()}"),
             dict(os.environ), None, "/ready", 600, args, port,
             logs / f"kvgate_{run}.log"))
         if args.vllm_python is not None:

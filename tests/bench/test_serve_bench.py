@@ -96,3 +96,13 @@ def test_the_quiet_wait_sees_a_busy_session_and_an_idle_one() -> None:
         for proc in (busy, idle):
             proc.kill()
             proc.wait()
+
+
+def test_kvgate_gets_a_fresh_disk_tier_unless_its_arguments_name_one(tmp_path: Path) -> None:
+    command = serve_bench.kvgate_command(serve_bench.parse_args(["--kvgate-args", "--host-cache-mb 64"]),
+                                         "kvgate", 8123, tmp_path / "kv")
+    assert command[:2] == ["kvgate", "serve"] and command[command.index("--port") + 1] == "8123"
+    assert command[-4:] == ["--host-cache-mb", "64", "--disk-cache", str(tmp_path / "kv")]
+    own = serve_bench.kvgate_command(serve_bench.parse_args(["--kvgate-args", "--disk-cache /x"]),
+                                     "kvgate", 8123, tmp_path / "kv")
+    assert own.count("--disk-cache") == 1 and own[-1] == "/x"
