@@ -45,7 +45,9 @@ configuration:
   (0 = off)/persist (behind: blocks are also written in the background as computed, so a
   crash loses only the last moments'; idle: the same, on idle CPU only, which under full load
   keeps throughput and writes only what leaves CPU memory; on_evict: a block is written when it
-  leaves CPU memory, and all at a stop; default behind)/codec (none: lossless, default; fp16: half the bytes,
+  leaves CPU memory, and all at a stop; default behind)/behind_delay_s (behind: while steps run
+  back to back a block's write waits up to this long, at once when the engine idles; a crash
+  under load loses at most this long's blocks; default 10, 0 = write at once)/codec (none: lossless, default; fp16: half the bytes,
   99.98 % top-1 agreement; bf16: half, 99.91 %; int8: a quarter, 98.60 % top-1 agreement, below
   99 %: greedy output after a hit may differ from a cold run; docs/benchmarks.md)/load_timeout_s (deadline of one batch of block reads; default 0.5)/allowed_root
   (where POST /admin/tiers may attach a disk tier), [cache.remote] url/cluster/ttl_s/write

@@ -98,6 +98,10 @@ class DiskCacheSettings(_Section):
     # CPU time nobody else wants (fully loaded, it writes only what leaves host memory); on_evict:
     # a block is written when it leaves host memory (docs/tiers.md, "Crash loss")
     persist: Literal["on_evict", "behind", "idle"] = "behind"
+    # behind: while steps run back to back, a computed block's write waits up to this long (the
+    # writes cost the steps ~10 % of their CPU), so a burst of load shorter than this runs at full
+    # speed and a crash loses at most this long's blocks; an idle moment writes them at once
+    behind_delay_s: float = Field(default=10.0, ge=0, le=3600)
     # how blocks are encoded on disk: none (as they are, lossless) | bf16 | fp16 | int8 (lossy,
     # 2x / 2x / ~4x smaller; int8 agrees on the top-1 token below 99 % of the time, see
     # docs/benchmarks.md "Codec quality"); records of any codec are read (docs/tiers.md, "Codecs")
@@ -268,6 +272,7 @@ class Settings(_Section):
                 disk_allowed_root=self.cache.disk.allowed_root,
                 tier_policy=self.cache.eviction,
                 disk_persist=self.cache.disk.persist,
+                disk_behind_delay_s=self.cache.disk.behind_delay_s,
                 admit=self.cache.admit,
                 disk_codec=self.cache.disk.codec,
                 flush_on_shutdown_s=min(10.0, self.server.shutdown_timeout_s + 5.0),

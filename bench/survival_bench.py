@@ -59,8 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated, from {', '.join(SCENARIOS)} (default: all)")
     p.add_argument("--persist", default="on_evict,behind",
                    help="comma-separated [cache.disk] persist settings (on_evict, behind, idle) to run each "
-                        "scenario with; 'unset' "
-                        "leaves the key out (for a KVGate without it) (default: on_evict,behind)")
+                        "scenario with; behind:S also sets behind_delay_s = S (behind:0 writes every block "
+                        "at once); 'unset' leaves the key out (for a KVGate without it) "
+                        "(default: on_evict,behind)")
     p.add_argument("--kvgate", default=None,
                    help="the command that runs KVGate, one string (default: this venv's `kvgate`); e.g. "
                         "'python -m app.cli' with --cwd to measure another checkout side by side")
@@ -89,8 +90,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = folder / "kvgate.toml"
-        persist_line = "" if persist == "unset" else f'persist = "{persist}"\n'
-        config.write_text(f'[cache.disk]\npath = "{folder / "kv"}"\n{persist_line}')
+        config.write_text(server_config(folder / "kv", persist))
         self.log_path = folder / f"server-{label}.log"
         self._log = self.log_path.open("w")
         kvgate = shlex.split(args.kvgate) if args.kvgate else [str(Path(sys.executable).with_name("kvgate"))]
@@ -276,14 +276,36 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def server_config(kv_path: Path, persist: str) -> str:
+    """The server's config file for a --persist setting, its disk tier in ``kv_path``."""
+    mode, _, delay = persist.partition(":")
+    text = f'[cache.disk]\npath = "{kv_path}"\n'
+    if persist != "unset":
+        text += f'persist = "{mode}"\n'
+    if delay:
+        text += f"behind_delay_s = {float(delay)}\n"
+    return text
+
+
+def _persist_setting(text: str) -> bool:
+    """Whether ``text`` is a --persist setting: a mode, or behind:<seconds>."""
+    mode, colon, delay = text.partition(":")
+    if not colon:
+        return mode in ("on_evict", "behind", "idle", "unset")
+    try:
+        return mode == "behind" and float(delay) >= 0
+    except ValueError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     names = [s for s in args.scenarios.split(",") if s]
     persists = [s for s in args.persist.split(",") if s]
-    bad = [s for s in names if s not in SCENARIOS] + [p for p in persists if p not in ("on_evict", "behind", "idle", "unset")]
+    bad = [s for s in names if s not in SCENARIOS] + [p for p in persists if not _persist_setting(p)]
     if bad:
         print(f"unknown scenario or persist setting: {', '.join(bad)}; scenarios are {', '.join(SCENARIOS)}, "
-              "persist settings on_evict, behind, idle and unset", file=sys.stderr)
+              "persist settings on_evict, behind, behind:<seconds>, idle and unset", file=sys.stderr)
         return 2
     if "c16" in names and not LOAD_PY.is_file():
         print(f"the c16 scenario needs the shared load client at {LOAD_PY}; drop c16 from --scenarios",

@@ -50,6 +50,9 @@ class EngineConfig:
     # on_evict | behind: also write computed and host blocks in the background | idle: the same,
     # on idle CPU only (cache.tiers.state.PERSIST_MODES); the server's default is behind ([cache.disk] persist)
     disk_persist: str = "on_evict"
+    # behind: while steps run back to back, a computed block's background write may wait this long
+    # (0: written at once); the server's default is [cache.disk] behind_delay_s
+    disk_behind_delay_s: float = 0.0
     # always | second_use: which blocks go below host memory (cache.tiers.state.ADMIT_MODES)
     admit: str = "always"
     remote_cache_url: str | None = None  # redis:// or rediss://
@@ -93,6 +96,8 @@ class EngineConfig:
             factory.validate(name, options[name])
         if self.disk_persist not in PERSIST_MODES:
             raise ValueError(f"disk_persist must be one of {', '.join(PERSIST_MODES)}, got {self.disk_persist!r}")
+        if not self.disk_behind_delay_s >= 0.0:
+            raise ValueError(f"disk_behind_delay_s must be 0 or more seconds, got {self.disk_behind_delay_s!r}")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
         if self.role != "both" and not self.remote_cache_url:

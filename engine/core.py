@@ -195,7 +195,7 @@ class EngineCore:
         start its background disk writes (``persist = "behind"`` or ``"idle"``)."""
         control = self.control
         control.tick()
-        finished = self.tiers.poll(bool(self._loading) or control.waiting)
+        finished = self.tiers.poll(bool(self._loading) or control.waiting, busy=self.has_work())
         now = time.perf_counter()  # after the poll: every released job ended before it (its parts fit in)
         admitted = 0
         for request_id, times in finished:

@@ -57,7 +57,8 @@ class Tiering:
         if names:
             tiers = [self._make_tier(name, {}) for name in names]
             logger.info("cache tiers: %s", "; ".join(f"{t.name} {_summary(t)}" for t in tiers))
-            self._use(TierChain(tiers, persist=config.disk_persist, admit=config.admit))
+            self._use(TierChain(tiers, persist=config.disk_persist, admit=config.admit,
+                                behind_delay_s=config.disk_behind_delay_s))
 
     def _use(self, chain: TierChain) -> None:
         """Put the chain under the device pool: evictions demote into it."""
@@ -83,7 +84,8 @@ class Tiering:
         if action not in ("attach", "detach"):
             raise ValueError(f"unknown action {action!r}; use attach or detach")
         if self.chain is None:
-            self._use(TierChain(persist=self.config.disk_persist, admit=self.config.admit))
+            self._use(TierChain(persist=self.config.disk_persist, admit=self.config.admit,
+                                behind_delay_s=self.config.disk_behind_delay_s))
         chain = self.chain
         assert chain is not None
         if action == "detach":
@@ -163,13 +165,14 @@ class Tiering:
         if self.chain is not None:
             self.chain.cancel(request_id)
 
-    def poll(self, waiting: bool) -> list[tuple[str, Any]]:
-        """Let the chain start its background disk writes; with requests ``waiting``, return the
-        prefetches that finished as (request id, their times or None)."""
+    def poll(self, waiting: bool, busy: bool = False) -> list[tuple[str, Any]]:
+        """Let the chain start its background disk writes (``busy``: steps run back to back, so
+        young blocks' writes may wait, `TierChain.persist_behind`); with requests ``waiting``,
+        return the prefetches that finished as (request id, their times or None)."""
         chain = self.chain
         if chain is None:
             return []
-        chain.persist_behind()
+        chain.persist_behind(busy)
         if not waiting:
             return []
         return [(str(token), chain.finished_jobs.pop(str(token), None)) for token in chain.poll()]

@@ -45,9 +45,9 @@ class TierChain(LoadPath):
 
     def __init__(self, tiers: Iterable[Tier | None] = (), *, max_pending_writes: int = 256,
                  read_parallel: int = min(4, os.cpu_count() or 1), persist: str = "on_evict",
-                 admit: str = "always") -> None:
+                 admit: str = "always", behind_delay_s: float = 0.0) -> None:
         super().__init__(max_pending_writes=max_pending_writes, read_parallel=read_parallel, persist=persist,
-                         admit=admit)
+                         admit=admit, behind_delay_s=behind_delay_s)
         for tier in tiers:
             if tier is not None:
                 self.attach(tier)
@@ -119,6 +119,7 @@ class TierChain(LoadPath):
         if role == "memory":
             self._staged.clear()
             self._unpersisted.clear()
+            self._noted_at.clear()
             tier.keep = None
         if role == "shared":
             self._close_remote(tier)
@@ -155,6 +156,7 @@ class TierChain(LoadPath):
         entry has its counters, occupancy, cost model, ``traits`` and what `describe` adds."""
         out: dict[str, Any] = {"chain": {**_asdict(self.stats), "pending_writes": self._pending_writes,
                                          "inflight_reads": len(self._inflight), "persist": self.persist,
+                                         "behind_delay_s": self.behind_delay_s,
                                          "admit": self.admit,
                                          "unpersisted_blocks": len(self._unpersisted)}}
         for tier in self.tiers:

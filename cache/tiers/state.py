@@ -7,6 +7,7 @@ import asyncio
 import os
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -64,9 +65,11 @@ class ChainState:
 
     def __init__(self, *, max_pending_writes: int = 256,
                  read_parallel: int = min(4, os.cpu_count() or 1), persist: str = "on_evict",
-                 admit: str = "always") -> None:
+                 admit: str = "always", behind_delay_s: float = 0.0) -> None:
         if persist not in PERSIST_MODES:
             raise ValueError(f"persist must be one of {', '.join(PERSIST_MODES)}, got {persist!r}")
+        if not behind_delay_s >= 0.0:
+            raise ValueError(f"behind_delay_s must be 0 or more seconds, got {behind_delay_s!r}")
         if admit not in ADMIT_MODES:
             raise ValueError(f"admit must be one of {', '.join(ADMIT_MODES)}, got {admit!r}")
         self.memory: Any = None  # the `memory` tier (host slots), or None
@@ -74,6 +77,9 @@ class ChainState:
         self.shared: Any = None  # the `shared` tier (a store other replicas reach), or None
         self.max_pending_writes = max_pending_writes
         self.persist = persist
+        # persist = "behind": while steps run back to back, a block's background write waits up
+        # to this long (a write costs the steps CPU time; an idle moment writes it at once)
+        self.behind_delay_s = behind_delay_s
         self.admit = admit
         self.stats = ChainStats()
         # admit = "second_use": blocks used again (admitted), and blocks dropped unwritten (a
@@ -88,7 +94,10 @@ class ChainState:
         # blocks that may not be on disk yet, oldest first (persist = "behind" writes them): host
         # blocks (None: copied from their slot) and computed device blocks ((copy, owner))
         self._unpersisted: OrderedDict[bytes, tuple[Callable[[], bytes | None], str] | None] = OrderedDict()
-        self._retry: queue.SimpleQueue[tuple[bytes, Any]] = queue.SimpleQueue()  # torn device copies
+        self._noted_at: dict[bytes, float] = {}  # when each of those was first noted (`_clock`)
+        self._clock: Callable[[], float] = time.monotonic
+        # torn device copies: (key, source, when first noted)
+        self._retry: queue.SimpleQueue[tuple[bytes, Any, float]] = queue.SimpleQueue()
         self.io: IOLoop | None = None
         self._pending_writes = 0
         self._write_lock = threading.Lock()

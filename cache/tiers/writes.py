@@ -38,6 +38,7 @@ class WritePath(ChainState):
         Until the stores have indexed it, the block stays readable from ``_writing`` (see
         `recall`); a store that already holds it only marks it as used."""
         self._unpersisted.pop(key, None)
+        self._noted_at.pop(key, None)
         if not self.admits(key):
             self._not_admitted(key)
             return
@@ -159,6 +160,7 @@ class WritePath(ChainState):
         """A block entered host memory: written behind, it waits to be written."""
         if self.writes_behind and self.stores and self.admits(key):
             self._unpersisted[key] = None
+            self._noted_at.setdefault(key, self._clock())
 
     def _keep_in_host(self, key: bytes) -> bool:
         """Whether host eviction should pass over ``key``: writes are backed up and the block is
@@ -175,26 +177,36 @@ class WritePath(ChainState):
         self._seen_again(key)
         if self.writes_behind and self.stores and key not in self._unpersisted and self.admits(key):
             self._unpersisted[key] = (copy, owner)
+            self._noted_at.setdefault(key, self._clock())
 
-    def persist_behind(self) -> int:
+    def persist_behind(self, busy: bool = False) -> int:
         """Written behind: start writing the oldest host and computed device blocks not yet on
         disk, while fewer than half the write bound are in flight (demotions keep the other
         half). Called by the step loop between steps; the bytes are copied by a writer thread —
         with ``persist = "idle"`` the idle writer, which runs only on a CPU nobody else wants.
-        Returns how many writes started."""
+        ``busy``: steps are running back to back, so with ``persist = "behind"`` only blocks
+        noted at least ``behind_delay_s`` ago are written now (the rest at the next idle call, or
+        once they are that old). Returns how many writes started."""
         io, host = self.io, self.memory
         if not self.writes_behind or not self.stores or io is None:
             return 0
         executor = io.idle_writer if self.persist == "idle" else io.writer
+        now = self._clock()
         while True:  # copies found torn go to the back of the line
             try:
-                key, source = self._retry.get_nowait()
+                key, source, noted = self._retry.get_nowait()
             except queue.Empty:
                 break
             self._unpersisted.setdefault(key, source)
+            self._noted_at.setdefault(key, noted)
+        wait = self.behind_delay_s if busy and self.persist == "behind" else 0.0
         started = 0
         while self._unpersisted and self._pending_writes < max(1, self.max_pending_writes // 2):
+            oldest = next(iter(self._unpersisted))
+            if wait > 0.0 and now - self._noted_at.get(oldest, now) < wait:
+                break  # oldest first: every block behind it is as young or younger
             key, source = self._unpersisted.popitem(last=False)
+            noted = self._noted_at.pop(key, now)
             writing = self._writing_to.get(key, ())
             targets = [store for store in self.stores if key not in store and store.name not in writing]
             if not targets:
@@ -212,20 +224,20 @@ class WritePath(ChainState):
             if not targets or not self._reserve_write(1):
                 continue
             coro = self._timed(f"{targets[0].name}_write",
-                               self._persist(targets, executor, key, copy, owner, source), time.perf_counter())
+                               self._persist(targets, executor, key, copy, owner, source, noted), time.perf_counter())
             io.submit(coro).add_done_callback(functools.partial(self._write_done, None, None))
             started += 1
         return started
 
     async def _persist(self, stores: list[StoreTier], executor: Executor, key: bytes,
-                       copy: Callable[[], bytes | None], owner: str, source: Any) -> bool:
+                       copy: Callable[[], bytes | None], owner: str, source: Any, noted: float) -> bool:
         """Copy a block on a thread of ``executor`` and write it to ``stores`` from there. A copy
         that may be torn (the step loop moved the block meanwhile) is never written: a host block
         that left was written by its eviction; a device block is tried again later."""
         payload = await asyncio.get_running_loop().run_in_executor(executor, copy)
         if payload is RETRY:
             if source is not None:
-                self._retry.put((key, source))
+                self._retry.put((key, source, noted))
             return False
         if payload is None:
             return False

@@ -98,6 +98,14 @@ def test_disk_blocks_are_written_behind_by_default(tmp_path: Path) -> None:
     assert idle.engine_config().disk_persist == "idle"
 
 
+def test_writes_behind_wait_up_to_their_delay_under_load(tmp_path: Path) -> None:
+    assert load_settings(env={}).engine_config().disk_behind_delay_s == 10.0
+    now = load_settings(_write(tmp_path, '[cache.disk]\nbehind_delay_s = 0\n'), env={})
+    assert now.engine_config().disk_behind_delay_s == 0.0
+    with pytest.raises(ConfigError, match="behind_delay_s"):
+        load_settings(_write(tmp_path, '[cache.disk]\nbehind_delay_s = -1\n'), env={})
+
+
 def test_remote_tier_settings_reach_the_engine(tmp_path: Path) -> None:
     path = _write(tmp_path, """
 [cache.host]

@@ -57,9 +57,10 @@ def made(tmp_path: Path) -> Iterator[list[TierChain]]:
 
 
 def slow_chain(tmp_path: Path, host_blocks: int = 2, max_pending_writes: int = 256, persist: str = "on_evict",
-               max_delay_s: float = 0.0) -> TierChain:
+               max_delay_s: float = 0.0, behind_delay_s: float = 0.0) -> TierChain:
     disk = SlowDisk(tmp_path / "disk", 256 * FMT.record_size, FMT, max_delay_s=max_delay_s)
-    return TierChain([HostTier(host_blocks * NB, NB), disk], max_pending_writes=max_pending_writes, persist=persist)
+    return TierChain([HostTier(host_blocks * NB, NB), disk], max_pending_writes=max_pending_writes, persist=persist,
+                     behind_delay_s=behind_delay_s)
 
 
 def test_a_block_being_written_is_found_recalled_and_loaded(tmp_path: Path, made: list[TierChain]) -> None:
@@ -143,6 +144,58 @@ def test_persist_behind_writes_host_blocks_oldest_first(tmp_path: Path, made: li
     for i in range(6, 14):
         chain.demote(key(i), block(i))
     assert chain.pending_writes == 0 and chain.store.stats.writes == writes
+
+
+def test_persist_behind_waits_while_busy_up_to_its_delay(tmp_path: Path, made: list[TierChain]) -> None:
+    """``behind_delay_s``: while steps run back to back (``busy``) a block's background write waits
+    until the block was noted that long ago, oldest first; a call while idle writes at once."""
+    made.append(chain := slow_chain(tmp_path, host_blocks=8, persist="behind", behind_delay_s=10.0))
+    assert chain.memory is not None and chain.store is not None
+    now = [100.0]
+    chain._clock = lambda: now[0]
+    for i in range(3):
+        chain.demote(key(i), block(i))
+    now[0] = 105.0
+    for i in range(3, 5):
+        chain.demote(key(i), block(i))
+    assert chain.persist_behind(busy=True) == 0 and chain.snapshot()["chain"]["unpersisted_blocks"] == 5
+    now[0] = 110.0  # blocks 0-2 are 10 s old, 3 and 4 five
+    assert chain.persist_behind(busy=True) == 3 and chain.drain_writes(WAIT_S)
+    assert {i for i in range(5) if key(i) in chain.store} == {0, 1, 2}
+    assert chain.persist_behind(busy=False) == 2 and chain.drain_writes(WAIT_S)  # idle: the rest at once
+    assert all(key(i) in chain.store for i in range(5)) and chain.stats.persisted_behind == 5
+    assert chain.snapshot()["chain"]["behind_delay_s"] == 10.0 and not chain._noted_at
+
+
+def test_a_zero_delay_or_another_mode_writes_behind_while_busy(tmp_path: Path, made: list[TierChain]) -> None:
+    made.append(chain := slow_chain(tmp_path, host_blocks=8, persist="behind"))
+    for i in range(3):
+        chain.demote(key(i), block(i))
+    assert chain.persist_behind(busy=True) == 3 and chain.drain_writes(WAIT_S)
+    with pytest.raises(ValueError, match="behind_delay_s"):
+        TierChain(persist="behind", behind_delay_s=-1.0)
+
+
+def test_a_torn_copy_keeps_its_place_in_time(tmp_path: Path, made: list[TierChain]) -> None:
+    """A device block whose copy was found torn goes back to the line with the time it was first
+    noted, so a retry does not restart its delay."""
+    from cache.tiers.writes import RETRY
+
+    made.append(chain := slow_chain(tmp_path, host_blocks=8, persist="behind", behind_delay_s=10.0))
+    now = [100.0]
+    chain._clock = lambda: now[0]
+    copies = [RETRY, raw(7)]
+    chain.note_computed(key(7), lambda: copies.pop(0))
+    now[0] = 111.0
+    assert chain.persist_behind(busy=True) == 1 and chain.drain_writes(WAIT_S)
+    assert key(7) not in chain.store  # the first copy was torn: not written
+    deadline = time.monotonic() + WAIT_S
+    while key(7) not in chain.store:  # the retry is 11 s old already: written while busy
+        assert time.monotonic() < deadline, "the torn copy was never retried"
+        chain.persist_behind(busy=True)
+        chain.drain_writes(WAIT_S)
+        time.sleep(0.005)
+    assert chain._noted_at == {}
 
 
 def test_persist_idle_writes_behind_on_the_idle_thread_only(tmp_path: Path, made: list[TierChain],

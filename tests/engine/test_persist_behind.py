@@ -94,3 +94,30 @@ def test_a_prefix_whose_disk_writes_are_in_flight_is_served_whole(tiny_model_dir
     finally:
         core.chain.store.gate.set()
         core.close()
+
+
+def test_writes_behind_wait_while_steps_run_back_to_back(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``disk_behind_delay_s``: the loop's polls between busy steps start no write of a block
+    younger than the delay; the first poll with nothing to step writes them all."""
+    from engine.outputs import GenerateRequest
+    from engine.sampling_params import SamplingParams
+
+    core = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv"), disk_persist="behind",
+                       disk_behind_delay_s=3600.0)
+    try:
+        core.add_request(GenerateRequest("long", prompt(1), SamplingParams(max_tokens=40, temperature=0,
+                                                                          ignore_eos=True)))
+        steps = 0
+        while core.has_work():
+            core.poll_loads()  # as the engine loop does before each step
+            core.step()
+            steps += 1
+        assert steps > 5
+        chain = core.chain.snapshot()["chain"]
+        assert chain["persisted_behind"] == 0 and core.chain.pending_writes == 0
+        assert chain["unpersisted_blocks"] >= 30 and chain["behind_delay_s"] == 3600.0
+        settle(core)  # idle polls: written at once
+        assert core.chain.stats.persisted_behind >= 30 and len(core.chain.store) >= 30
+    finally:
+        core.close()
+
