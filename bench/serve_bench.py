@@ -395,21 +395,22 @@ def main(argv: list[str] | None = None) -> int:
             (vllm_command(args, vllm_dir, vl_port), vl_port), dict(os.environ, VLLM_PY=str(args.vllm_python)), logs))
         if not args.no_plain:  # in process, once the servers are down
             raw["plain"] = [run_plain(args.model, args.dtype) for _ in range(args.runs)]
-    for run in range(1, 0 if args.interleave else args.runs + 1):
-        say(f"run {run}/{args.runs}")
-        port = free_port()
-        raw["kvgate"].append(run_server(
-            "kvgate", kvgate_command(args, kvgate, port, logs / f"kv_run{run}_{os.getpid()}"),
-            dict(os.environ), None, "/ready", 600, args, port,
-            logs / f"kvgate_{run}.log"))
-        if args.vllm_python is not None:
+    else:
+        for run in range(1, args.runs + 1):
+            say(f"run {run}/{args.runs}")
             port = free_port()
-            env = dict(os.environ, VLLM_PY=str(args.vllm_python))
-            raw["vllm"].append(run_server(
-                "vllm", vllm_command(args, vllm_dir, port), env, "smollm2",
-                "/v1/models", args.vllm_start_timeout, args, port, logs / f"vllm_{run}.log"))
-        if not args.no_plain:
-            raw["plain"].append(run_plain(args.model, args.dtype))
+            raw["kvgate"].append(run_server(
+                "kvgate", kvgate_command(args, kvgate, port, logs / f"kv_run{run}_{os.getpid()}"),
+                dict(os.environ), None, "/ready", 600, args, port,
+                logs / f"kvgate_{run}.log"))
+            if args.vllm_python is not None:
+                port = free_port()
+                env = dict(os.environ, VLLM_PY=str(args.vllm_python))
+                raw["vllm"].append(run_server(
+                    "vllm", vllm_command(args, vllm_dir, port), env, "smollm2",
+                    "/v1/models", args.vllm_start_timeout, args, port, logs / f"vllm_{run}.log"))
+            if not args.no_plain:
+                raw["plain"].append(run_plain(args.model, args.dtype))
     for folder in logs.glob(f"kv_run*_{os.getpid()}"):
         shutil.rmtree(folder, ignore_errors=True)
     results: dict[str, dict[str, float]] = {}
