@@ -222,16 +222,19 @@ def measure_backend(args: argparse.Namespace, backend: str,
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from engine import kernels
+    from engine.packing import onednn_supported
 
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     ops = kernels.load()
     panels = ops is not None and (dtype == torch.float32 or ops.bf16_panels)
-    backends = [b for b in args.backend_list if b != "panel" or panels]
+    onednn = onednn_supported(torch.device("cpu"), dtype)
+    backends = [b for b in args.backend_list if (b != "panel" or panels) and (b != "onednn" or onednn)]
     skipped = sorted(set(args.backend_list) - set(backends))
     if skipped:
-        say(f"skipping {', '.join(skipped)}: no native kernels here, or no AVX512-BF16 for bfloat16 panels")
+        say(f"skipping {', '.join(skipped)}: no native kernels here (or none for bfloat16 panels: neither "
+            f"AVX512-BF16 nor AVX2), or no oneDNN layout for {args.dtype} on this CPU")
     say("measuring the FMA peak and the memory read rate ...")
     peaks = measure_peaks(ops)
     say(f"FMA peak {peaks['fma_gflop_s']:.0f} GFLOP/s (bf16 dot {peaks['bf16_dot_gflop_s']:.0f}), "

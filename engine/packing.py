@@ -37,8 +37,8 @@ _PACK_HINT_ROWS = 16  # oneDNN picks its blocking for this many rows; any row co
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN packing on this CPU: float32 anywhere oneDNN runs; bfloat16 only where oneDNN has
+def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN's layout on this CPU: float32 anywhere oneDNN runs; bfloat16 only where oneDNN has
     bf16 kernels (AVX-512 BF16/AVX-NE-CONVERT; elsewhere its reorder raises)."""
     if not (device.type == "cpu" and dtype in _DTYPES and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
@@ -49,7 +49,17 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
-def _onednn_layout(weight: torch.Tensor) -> torch.Tensor:
+def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Packed layers on this device: any CPU float32/bfloat16 model. Where oneDNN has no layout for
+    the dtype (bfloat16 on AVX2 CPUs) a layer holds its plain weight until the panel kernel takes
+    it, and multiplies with ``F.linear`` meanwhile."""
+    return device.type == "cpu" and dtype in _DTYPES
+
+
+def _onednn_layout(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight in oneDNN's blocked layout, or None where oneDNN has none for its dtype."""
+    if not onednn_supported(weight.device, weight.dtype):
+        return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_HINT_ROWS)
 
 
@@ -81,9 +91,9 @@ def unpack_panels_bf16(panels: torch.Tensor, out_features: int, paired: bool = F
 
 
 class PackedLinear(nn.Module):
-    """``y = x Wᵀ + b`` with W held once: in oneDNN's blocked layout (`packed`), or with the
-    native panel kernel attached (`use_panel_kernel`) in its panels (`panels`), which then take
-    every row count. ``gated``: this is a gated MLP's gate|up layer (W = [gate; up], the
+    """``y = x Wᵀ + b`` with W held once: in oneDNN's blocked layout (`packed`), as it is
+    (`plain`, where oneDNN has no layout for the dtype), or with the native panel kernel attached
+    (`use_panel_kernel`) in its panels (`panels`), which then take every row count. ``gated``: this is a gated MLP's gate|up layer (W = [gate; up], the
     intermediate size); with the gated panel kernel its panels pair each gate output with its up
     output, so `silu_mul` can apply the activation in the matmul's epilogue."""
 
@@ -97,9 +107,12 @@ class PackedLinear(nn.Module):
         self.dtype = weight.dtype
         self.gated = gated
         self.packed: torch.Tensor | None
+        self.plain: torch.Tensor | None
         self.panels: torch.Tensor | None
         self.bias: torch.Tensor | None
-        self.register_buffer("packed", _onednn_layout(weight))
+        packed = _onednn_layout(weight)
+        self.register_buffer("packed", packed)
+        self.register_buffer("plain", weight.detach().contiguous() if packed is None else None)
         self.register_buffer("panels", None)
         self.register_buffer("bias", None if bias is None else bias.detach())
 
@@ -113,6 +126,8 @@ class PackedLinear(nn.Module):
             else:
                 assert self.panel is not None  # panels come with their kernel
                 y = self.panel(rows, self.panels, self.bias, self.out_features)
+        elif self.plain is not None:
+            y = F.linear(rows, self.plain, self.bias)
         else:
             y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, self.bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -134,6 +149,8 @@ class PackedLinear(nn.Module):
         if self.panels is not None:
             unpack = unpack_panels_bf16 if self.panels.dim() == 4 else unpack_panels
             return unpack(self.panels, self.out_features, paired=self.gated_panel is not None)
+        if self.plain is not None:
+            return self.plain.clone()
         assert self.packed is not None
         return self.packed.to_dense()
 
@@ -155,13 +172,16 @@ class PackedLinear(nn.Module):
             weight = self.dense_weight()
             self.panels = pack(weight, True) if pair else pack(weight)
             self.gated_panel = gated if pair else None
-            self.packed = None
+            self.packed = self.plain = None
         self.panel = linear
 
     def to_onednn(self) -> None:
-        """Hold the weight in oneDNN's layout again (the panel kernel taken away)."""
+        """Hold the weight in oneDNN's layout again, or as it is where oneDNN has none for the
+        dtype (the panel kernel taken away)."""
         if self.panels is not None:
-            self.packed = _onednn_layout(self.dense_weight())
+            weight = self.dense_weight()
+            self.packed = _onednn_layout(weight)
+            self.plain = weight if self.packed is None else None
             self.panels = None
         self.panel = self.gated_panel = None
 

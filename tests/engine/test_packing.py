@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import kernels
-from engine.packing import PackedLinear, TiedEmbedding, pack_model, packing_supported, use_panel_kernel
+from engine import kernels, packing
+from engine.packing import PackedLinear, TiedEmbedding, onednn_supported, pack_model, use_panel_kernel
 
-pytestmark = pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.float32),
+pytestmark = pytest.mark.skipif(not onednn_supported(torch.device("cpu"), torch.float32),
                                 reason="oneDNN weight packing is not available in this torch build")
 ops = kernels.load()
 
@@ -87,8 +87,7 @@ def test_a_tied_table_is_held_once_while_the_head_holds_panels() -> None:
 
 
 BF16_PANELS = ops is not None and ops.bf16_panels
-needs_bf16_panels = pytest.mark.skipif(not BF16_PANELS or not packing_supported(torch.device("cpu"), torch.bfloat16),
-                                       reason="no AVX512-BF16 in this build (or no oneDNN bfloat16)")
+needs_bf16_panels = pytest.mark.skipif(not BF16_PANELS, reason="neither AVX512-BF16 nor AVX2 with FMA in this build")
 
 
 @needs_bf16_panels
@@ -109,7 +108,7 @@ def test_bfloat16_layers_take_the_bfloat16_panels_and_give_their_weight_back() -
         full = F.linear(x, gated.dense_weight())
         torch.testing.assert_close(gated.silu_mul(x), F.silu(full[:, :24]) * full[:, 24:], rtol=2e-2, atol=2e-2)
     assert use_panel_kernel([layer, gated, odd], None) == 2
-    assert layer.panels is None and torch.equal(layer.dense_weight(), weight)  # oneDNN's layout again
+    assert layer.panels is None and torch.equal(layer.dense_weight(), weight)  # oneDNN's layout (or plain) again
 
 
 @needs_bf16_panels
@@ -125,3 +124,33 @@ def test_a_bfloat16_tied_table_is_read_from_the_bfloat16_panels() -> None:
     assert embed.weight is None and model.head.panels is not None and model.head.panels.dim() == 4
     with torch.inference_mode():
         assert torch.equal(embed(ids), table[ids])
+
+
+def test_without_a_onednn_layout_a_bfloat16_layer_holds_its_plain_weight(monkeypatch) -> None:
+    """Where oneDNN has no bfloat16 layout (AVX2 CPUs) the model is still packed: each layer holds
+    its weight as it is and multiplies with F.linear until the panels take it, and gives it back
+    the same way."""
+    monkeypatch.setattr(packing, "onednn_supported", lambda device, dtype: dtype == torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    model = nn.Sequential(nn.Linear(64, 70), nn.ReLU(), nn.Linear(70, 32, bias=False)).bfloat16()
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    with torch.inference_mode():
+        expected = model(x)
+    assert pack_model(model, torch.device("cpu"), torch.bfloat16) == 2
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert all(m.packed is None and m.plain is not None and m.panels is None for m in layers)
+    assert not list(model.parameters())  # the plain weights are buffers of the packed layers, held once
+    with torch.inference_mode():
+        assert torch.equal(model(x), expected)  # F.linear on the same weight
+    if not BF16_PANELS:
+        return
+    assert ops is not None
+    bf16 = (ops.panel_linear_bf16, ops.pack_panels_bf16, ops.gated_panel_linear_bf16)
+    assert use_panel_kernel(layers, ops.panel_linear, ops.pack_panels, ops.gated_panel_linear, bf16) == 2
+    assert all(m.plain is None and m.packed is None and m.panels is not None for m in layers)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), expected, rtol=1e-2, atol=2e-2)
+    assert use_panel_kernel(layers, None) == 2
+    assert all(m.plain is not None and m.packed is None and m.panels is None for m in layers)
+    with torch.inference_mode():
+        assert torch.equal(model(x), expected)
