@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "overrides [model] path)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                        help="weights and KV cache dtype (overrides [model] dtype; default float32). bfloat16 "
-                            "halves memory and runs on the CPU's bfloat16 instructions (AVX512-BF16) where "
-                            "present")
+                            "halves memory; its matmuls run on the CPU's bfloat16 instructions (AVX512-BF16) "
+                            "where present, else widened to float32 on AVX2")
     serve.add_argument("--host", metavar="H", help="address to bind (overrides [server] host; default 127.0.0.1)")
     serve.add_argument("--port", metavar="P", type=int, help="port to bind (overrides [server] port; default 8000)")
     serve.add_argument("--host-cache-mb", metavar="N", type=int,

@@ -13,7 +13,7 @@ chunks, as fractions of what this machine can do, all measured in one run.
 
 Backends, each holding its own copy of the same random weights: ``panel`` (KVGate's kernel,
 engine/csrc/panel_gemm.cpp, what the engine runs in float32; in bfloat16 panel_gemm_bf16.cpp, on
-CPUs with AVX512-BF16), ``onednn`` (the blocked layout
+CPUs with AVX512-BF16 or AVX2), ``onednn`` (the blocked layout
 torch's mkldnn linear multiplies, engine/packing.py's fallback) and ``mkl`` (``F.linear`` on the
 plain weight). The shapes default to SmolLM2-135M (the default model); ``--dtype bfloat16`` runs
 the backends that take bfloat16 weights. Times are medians of ``--repeats`` after a warm-up.

@@ -7,7 +7,7 @@ share it. `chunk_attention` (engine/csrc/chunk_attention.cpp) takes the longer p
 GEMM-shaped, also without a gather. `fused_ops.cpp` holds the fused steps of
 engine.fast_decoder, `panel_gemm.cpp` the matmul of engine.packing's layers, for any number of
 rows, on the weights' only copy (docs/engine.md has the figures), `panel_gemm_bf16.cpp` its
-bfloat16 form where the CPU has AVX512-BF16; `calibrate.cpp` measures the
+bfloat16 form where the CPU has AVX512-BF16 or AVX2; `calibrate.cpp` measures the
 machine's FMA rate and memory read rate, which bench/linear_bench.py compares the matmuls with.
 
 The source is compiled by one call of the machine's C++ compiler (against torch's headers, no
@@ -76,7 +76,7 @@ class NativeOps:
     pack_panels: Callable[..., torch.Tensor]
     panel_linear: Callable[..., torch.Tensor]
     gated_panel_linear: Callable[..., torch.Tensor]
-    pack_panels_bf16: Callable[..., torch.Tensor]  # these three: where bf16_panels (AVX512-BF16)
+    pack_panels_bf16: Callable[..., torch.Tensor]  # these three: where bf16_panels (AVX512-BF16 or AVX2)
     panel_linear_bf16: Callable[..., torch.Tensor]
     gated_panel_linear_bf16: Callable[..., torch.Tensor]
     bf16_panels: bool  # whether the build multiplies bfloat16 panels (engine/csrc/panel_gemm_bf16.cpp)

@@ -9,9 +9,9 @@ fuses a gated MLP's gate and up projections into one matmul (one read of the inp
 
 Where the engine loaded its native kernels (CPU), `use_panel_kernel` repacks every float32 layer
 into the sequential panels of KVGate's own matmul (engine/csrc/panel_gemm.cpp), and every
-bfloat16 layer into those of its bfloat16 form where the CPU has AVX512-BF16
+bfloat16 layer into those of its bfloat16 form where the CPU has AVX512-BF16 or AVX2
 (panel_gemm_bf16.cpp); the kernel then takes every row count, and the panels replace oneDNN's
-layout, so a layer still holds one copy.
+layout (or the plain weight, where oneDNN has none for bfloat16), so a layer still holds one copy.
 Either form rebuilds the plain weight on demand (`PackedLinear.dense_weight`), so the kernels can
 be switched both ways at run time.
 

@@ -53,7 +53,7 @@ class ModelRunner:
         together: the attention kernels, the fast decoder's fused steps and the packed layers'
         matmul. The engine switches between two steps, on the thread that runs them, so a step
         runs wholly on one set of ops (engine/loop.py). Packing the panels takes a moment. A
-        bfloat16 model takes all of them, the panels in bfloat16 where the CPU has AVX512-BF16."""
+        bfloat16 model takes all of them, the panels in bfloat16 where the CPU has AVX512-BF16 or AVX2."""
         if self.storage.device.type != "cpu" or self.storage.dtype not in (torch.float32, torch.bfloat16):
             native = None  # the native ops are CPU kernels
         # decodes and short chunks, over a float32 or a bfloat16 pool

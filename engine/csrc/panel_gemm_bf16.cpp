@@ -20,8 +20,8 @@
 // bfloat16, SiLU(gate) to bfloat16, the product to bfloat16), or gate | up.
 //
 // Shapes: x [M, K] bfloat16 (any row stride, unit column stride), K even; panels [P, K / 2, kWidth, 2]
-// bfloat16 from `pack_panels_bf16`; bias [N] (gated: [2 I]) bfloat16 or none. Without AVX512-BF16
-// or AVX2 with FMA in the build the ops raise, and `bf16_panels_built()` says false.
+// bfloat16 from `pack_panels_bf16`; bias [N] (gated: [2 I]) bfloat16 or none. Without AVX512-BF16,
+// or AVX2 with FMA and no AVX-512, in the build the ops raise, and `bf16_panels_built()` says false.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -42,8 +42,10 @@
 
 #if defined(__AVX512BF16__)
 #define KVGATE_BF16_DOT 1    // tiles multiply pairs on `vdpbf16ps`
-#elif defined(__AVX2__) && defined(__FMA__)
-#define KVGATE_BF16_WIDEN 1  // tiles widen the pairs to float32 and multiply on FMA
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// tiles widen the pairs to float32 and multiply on FMA (AVX-512 CPUs without BF16 keep oneDNN's
+// bfloat16 matmul, which has AVX-512 kernels there; the widening tile is measured on AVX2 only)
+#define KVGATE_BF16_WIDEN 1
 #endif
 
 #if defined(KVGATE_BF16_DOT) || defined(KVGATE_BF16_WIDEN)
@@ -360,7 +362,7 @@ void run_wide(const at::Tensor& x, const bf16* wp, int64_t P, int64_t K2, const 
 
 at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                       int64_t out_features, Out out, const char* name) {
-  TORCH_CHECK(built(), name, ": this build has neither AVX512-BF16 nor AVX2 with FMA (bf16_panels_built() is false)");
+  TORCH_CHECK(built(), name, ": this build has neither AVX512-BF16 nor AVX2 (bf16_panels_built() is false)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && x.stride(1) == 1, name,
               ": x must be a 2-D bfloat16 CPU tensor with contiguous rows");
   TORCH_CHECK(panels.dim() == 4 && panels.size(2) == kWidth && panels.size(3) == 2 && panels.is_contiguous() &&

@@ -22,6 +22,7 @@ from engine.core import EngineCore
 from engine.kernel_check import paged_attention_reference
 from engine.model import load_model
 from engine.outputs import GenerateRequest
+from engine.packing import PackedLinear
 from engine.sampling_params import SamplingParams
 
 ops = kernels.load()
@@ -373,7 +374,7 @@ def test_gated_panel_linear_refuses_what_does_not_fit() -> None:
 
 @needs_ops
 def test_packed_layers_hold_one_form_of_their_weight_and_switch_both_ways() -> None:
-    from engine.packing import PackedLinear, use_panel_kernel
+    from engine.packing import use_panel_kernel
 
     assert ops is not None
     weight, bias = torch.randn(48, 32), torch.randn(48)
@@ -597,6 +598,10 @@ def test_a_bfloat16_engine_runs_its_steps_on_the_attention_kernels(tiny_model_di
                                        native_kernels=native),
                           loaded=load_model(str(tiny_model_dir), dtype="bfloat16", device="cpu"))
         assert (core.runner.paged_kernel is not None) is native and (core.runner.chunk_kernel is not None) is native
+        layers = [m for m in core.runner.modules() if isinstance(m, PackedLinear)]
+        assert layers  # packed on every CPU, with or without a oneDNN bfloat16 layout
+        # the linears on the bfloat16 panels wherever the build has them (AVX512-BF16 or AVX2)
+        assert all((m.panels is not None) is (native and ops.bf16_panels) for m in layers)
         core.add_request(GenerateRequest("a", list(range(5, 45)), SamplingParams(max_tokens=8, temperature=0,
                                                                                    ignore_eos=True)))
         tokens = []
