@@ -276,33 +276,39 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def server_config(kv_path: Path, persist: str) -> str:
-    """The server's config file for a --persist setting, its disk tier in ``kv_path``."""
-    mode, _, delay = persist.partition(":")
-    text = f'[cache.disk]\npath = "{kv_path}"\n'
-    if persist != "unset":
-        text += f'persist = "{mode}"\n'
-    if delay:
-        text += f"behind_delay_s = {float(delay)}\n"
-    return text
-
-
-def _persist_setting(text: str) -> bool:
-    """Whether ``text`` is a --persist setting: a mode, or behind:<seconds>."""
+def parse_persist(text: str) -> tuple[str, float | None] | None:
+    """A --persist setting as (mode, behind_delay_s or None), or None where ``text`` is none: a
+    mode (on_evict, behind, idle, unset), or behind:<seconds>."""
     mode, colon, delay = text.partition(":")
     if not colon:
-        return mode in ("on_evict", "behind", "idle", "unset")
+        return (mode, None) if mode in ("on_evict", "behind", "idle", "unset") else None
     try:
-        return mode == "behind" and float(delay) >= 0
+        seconds = float(delay)
     except ValueError:
-        return False
+        return None
+    return (mode, seconds) if mode == "behind" and seconds >= 0 else None
+
+
+def server_config(kv_path: Path, persist: str) -> str:
+    """The server's config file for a --persist setting (valid: `parse_persist`), its disk tier
+    in ``kv_path``."""
+    parsed = parse_persist(persist)
+    if parsed is None:
+        raise ValueError(f"not a --persist setting: {persist!r}")
+    mode, delay = parsed
+    text = f'[cache.disk]\npath = "{kv_path}"\n'
+    if mode != "unset":
+        text += f'persist = "{mode}"\n'
+    if delay is not None:
+        text += f"behind_delay_s = {delay}\n"
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     names = [s for s in args.scenarios.split(",") if s]
     persists = [s for s in args.persist.split(",") if s]
-    bad = [s for s in names if s not in SCENARIOS] + [p for p in persists if not _persist_setting(p)]
+    bad = [s for s in names if s not in SCENARIOS] + [p for p in persists if parse_persist(p) is None]
     if bad:
         print(f"unknown scenario or persist setting: {', '.join(bad)}; scenarios are {', '.join(SCENARIOS)}, "
               "persist settings on_evict, behind, behind:<seconds>, idle and unset", file=sys.stderr)

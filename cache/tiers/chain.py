@@ -119,7 +119,6 @@ class TierChain(LoadPath):
         if role == "memory":
             self._staged.clear()
             self._unpersisted.clear()
-            self._noted_at.clear()
             tier.keep = None
         if role == "shared":
             self._close_remote(tier)

@@ -91,10 +91,11 @@ class ChainState:
         # it); `_writing_to` names those stores
         self._writing: dict[bytes, bytes | memoryview] = {}
         self._writing_to: dict[bytes, set[str]] = {}
-        # blocks that may not be on disk yet, oldest first (persist = "behind" writes them): host
-        # blocks (None: copied from their slot) and computed device blocks ((copy, owner))
-        self._unpersisted: OrderedDict[bytes, tuple[Callable[[], bytes | None], str] | None] = OrderedDict()
-        self._noted_at: dict[bytes, float] = {}  # when each of those was first noted (`_clock`)
+        # blocks that may not be on disk yet, oldest first (persist = "behind" writes them), key ->
+        # (source, when first noted by `_clock`): host blocks (source None: copied from their
+        # slot) and computed device blocks (source (copy, owner))
+        self._unpersisted: OrderedDict[bytes, tuple[tuple[Callable[[], bytes | None], str] | None, float]] = \
+            OrderedDict()
         self._clock: Callable[[], float] = time.monotonic
         # torn device copies: (key, source, when first noted)
         self._retry: queue.SimpleQueue[tuple[bytes, Any, float]] = queue.SimpleQueue()

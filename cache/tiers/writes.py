@@ -38,7 +38,6 @@ class WritePath(ChainState):
         Until the stores have indexed it, the block stays readable from ``_writing`` (see
         `recall`); a store that already holds it only marks it as used."""
         self._unpersisted.pop(key, None)
-        self._noted_at.pop(key, None)
         if not self.admits(key):
             self._not_admitted(key)
             return
@@ -159,8 +158,8 @@ class WritePath(ChainState):
     def _track(self, key: bytes) -> None:
         """A block entered host memory: written behind, it waits to be written."""
         if self.writes_behind and self.stores and self.admits(key):
-            self._unpersisted[key] = None
-            self._noted_at.setdefault(key, self._clock())
+            known = self._unpersisted.get(key)  # a computed device block keeps its place and time
+            self._unpersisted[key] = (None, known[1] if known is not None else self._clock())
 
     def _keep_in_host(self, key: bytes) -> bool:
         """Whether host eviction should pass over ``key``: writes are backed up and the block is
@@ -176,8 +175,7 @@ class WritePath(ChainState):
         dropped)."""
         self._seen_again(key)
         if self.writes_behind and self.stores and key not in self._unpersisted and self.admits(key):
-            self._unpersisted[key] = (copy, owner)
-            self._noted_at.setdefault(key, self._clock())
+            self._unpersisted[key] = ((copy, owner), self._clock())
 
     def persist_behind(self, busy: bool = False) -> int:
         """Written behind: start writing the oldest host and computed device blocks not yet on
@@ -192,21 +190,22 @@ class WritePath(ChainState):
             return 0
         executor = io.idle_writer if self.persist == "idle" else io.writer
         now = self._clock()
-        while True:  # copies found torn go to the back of the line
+        torn: list[tuple[bytes, Any, float]] = []
+        while True:
             try:
-                key, source, noted = self._retry.get_nowait()
+                torn.append(self._retry.get_nowait())
             except queue.Empty:
                 break
-            self._unpersisted.setdefault(key, source)
-            self._noted_at.setdefault(key, noted)
+        for key, source, noted in reversed(torn):  # copies found torn go back to the front, in order
+            if key not in self._unpersisted:
+                self._unpersisted[key] = (source, noted)
+                self._unpersisted.move_to_end(key, last=False)
         wait = self.behind_delay_s if busy and self.persist == "behind" else 0.0
         started = 0
         while self._unpersisted and self._pending_writes < max(1, self.max_pending_writes // 2):
-            oldest = next(iter(self._unpersisted))
-            if wait > 0.0 and now - self._noted_at.get(oldest, now) < wait:
+            if wait > 0.0 and now - next(iter(self._unpersisted.values()))[1] < wait:
                 break  # oldest first: every block behind it is as young or younger
-            key, source = self._unpersisted.popitem(last=False)
-            noted = self._noted_at.pop(key, now)
+            key, (source, noted) = self._unpersisted.popitem(last=False)
             writing = self._writing_to.get(key, ())
             targets = [store for store in self.stores if key not in store and store.name not in writing]
             if not targets:

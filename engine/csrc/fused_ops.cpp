@@ -39,9 +39,7 @@ inline T narrow(float f) {
   if constexpr (std::is_same_v<T, float>) {
     return f;
   } else {
-    const uint32_t u = __builtin_bit_cast(uint32_t, f);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return static_cast<bf16>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);  // NaN stays NaN
+    return static_cast<bf16>(kvgate::bf16_rounded_bits(__builtin_bit_cast(uint32_t, f)) >> 16);
   }
 }
 // f as a T holds it (float32: f itself)

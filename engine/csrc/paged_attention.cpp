@@ -2,10 +2,11 @@
 //
 // A unit of work is one split of a sequence's context (`split_tokens` keys, fewer when there are
 // not enough splits to keep every core busy) for all of its rows and heads. A float32 split is
-// read where it lies in the block pool, a bfloat16 one copied out first (below). Each K/V row is
-// loaded once for the query heads that share its KV head (GQA, up to three at a time). Each
-// split keeps its own softmax max, sum and weighted values, merged at the end (the usual
-// log-sum-exp combination). Units go to whichever thread is free first (claim.h).
+// read where it lies in the block pool, a bfloat16 one copied out first unless it multiplies on
+// `vdpbf16ps` (below). Each K/V row is loaded once for the query heads that share its KV head
+// (GQA, up to three at a time). Each split keeps its own softmax max, sum and weighted values,
+// merged at the end (the usual log-sum-exp combination). Units go to whichever thread is free
+// first (claim.h).
 //
 // Shapes (float32 or bfloat16 q and pool, computed in float32; the layouts engine/attention.py has):
 //   q          [T, H, D]                 contiguous; rows of span s are q_start[s] .. q_start[s+1]-1
@@ -157,6 +158,105 @@ inline void score_group_64(const float* const* q, const KV* base, const int64_t*
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// bfloat16 q and pool, head size 64, on AVX512-BF16 (`vdpbf16ps`: two bfloat16 products added
+// into each float32 lane). Scores: a K row is two vectors of 32 bfloat16, each multiplied with
+// the query's half into one accumulator per key; 16 keys' accumulators are summed across lanes
+// together (`sum16`). Values: two keys' V rows interleaved (16-bit unpacks) and multiplied by the
+// pair's weights, which are rounded to bfloat16 as PyTorch's bfloat16 attention rounds them. The
+// query is the unscaled bfloat16 one (the scale goes on the float32 scores): every product is
+// exact and every sum float32.
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+inline __m512i load32(const bf16* p) { return _mm512_loadu_si512(p); }
+
+// r[k] = the sum of v[k / 4 + 4 * (k % 4)]'s lanes: a transposing tree (pairs of 128-bit lanes,
+// then 128-bit lanes, then 64- and 32-bit halves), 15 shuffle pairs and adds for 16 sums. Key k's
+// accumulator goes to v[slot16(k)] for the sums to come out in key order.
+constexpr int slot16(int k) { return k / 4 + 4 * (k % 4); }
+inline __m512 sum16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  __m512 y[2];
+  for (int i = 0; i < 2; ++i) {
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// rows[b][t] = scale * (q[b] . K row t) for t < n, q[b] 64 bfloat16.
+inline void score_group_dot(const bf16* const* q, int group, const bf16* base, const int64_t* offsets, int64_t n,
+                            float scale, float* const* rows) {
+  for (int b = 0; b < group; ++b) {
+    const __m512bh qlo = as_bh(load32(q[b])), qhi = as_bh(load32(q[b] + 32));
+    for (int64_t t = 0; t < n; t += 16) {
+      const int keys = static_cast<int>(std::min<int64_t>(16, n - t));
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int k = 0; k < 16; ++k) {
+        __m512 a = _mm512_setzero_ps();
+        if (k < keys) {
+          const bf16* kr = base + offsets[t + k];
+          a = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a, as_bh(load32(kr)), qlo), as_bh(load32(kr + 32)), qhi);
+        }
+        acc[slot16(k)] = a;
+      }
+      const __m512 r = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(rows[b] + t, static_cast<__mmask16>((1u << keys) - 1u), r);
+    }
+  }
+}
+
+// out[b] = sum_t p[b][t] * V row t for t < n (head size 64); `pairs`: scratch for the weights as
+// bfloat16 pairs.
+inline void weigh_group_dot(const float* const* p, int group, const bf16* base, const int64_t* offsets, int64_t n,
+                            float* const* out, std::vector<uint32_t>& pairs) {
+  const int64_t stride = (n + 31) / 32 * 16;  // whole vectors of pairs per query
+  pairs.resize(static_cast<size_t>(kMaxGroup * stride));
+  for (int b = 0; b < group; ++b) {
+    uint32_t* pb = pairs.data() + b * stride;
+    for (int64_t t = 0; t < n; t += 32) {  // 32 weights -> 16 pairs (an odd last key pairs with 0)
+      const int64_t m = std::min<int64_t>(32, n - t);
+      const __m512 lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>(m >= 16 ? 0xffffu : (1u << m) - 1u), p[b] + t);
+      const __m512 hi = m > 16 ? _mm512_maskz_loadu_ps(static_cast<__mmask16>(m >= 32 ? 0xffffu : (1u << (m - 16)) - 1u),
+                                                       p[b] + t + 16)
+                               : _mm512_setzero_ps();
+      // cvtne2ps_pbh(hi, lo): lo's 16 weights in the low half, in key order: pairs as they come
+      _mm512_storeu_si512(pb + t / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+  }
+  __m512 acc[kMaxGroup][4];
+  for (int b = 0; b < group; ++b)
+    for (int c = 0; c < 4; ++c) acc[b][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 2) {
+    const bf16* a = base + offsets[t];
+    const bf16* z = t + 1 < n ? base + offsets[t + 1] : a;  // its weight is 0
+    const __m512i alo = load32(a), ahi = load32(a + 32), zlo = load32(z), zhi = load32(z + 32);
+    // within each 128-bit lane l: features 8l..8l+3 of the two rows side by side, then 8l+4..8l+7
+    const __m512bh v[4] = {as_bh(_mm512_unpacklo_epi16(alo, zlo)), as_bh(_mm512_unpackhi_epi16(alo, zlo)),
+                           as_bh(_mm512_unpacklo_epi16(ahi, zhi)), as_bh(_mm512_unpackhi_epi16(ahi, zhi))};
+    for (int b = 0; b < group; ++b) {
+      const __m512bh w = as_bh(_mm512_set1_epi32(static_cast<int>(pairs[b * stride + t / 2])));
+      for (int c = 0; c < 4; ++c) acc[b][c] = _mm512_dpbf16_ps(acc[b][c], v[c], w);
+    }
+  }
+  // back to feature order: lane 4l + k of acc[0] is feature 8l + k, of acc[1] feature 8l + 4 + k
+  const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i order_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int b = 0; b < group; ++b)
+    for (int h = 0; h < 2; ++h) {
+      _mm512_storeu_ps(out[b] + 32 * h, _mm512_permutex2var_ps(acc[b][2 * h], order, acc[b][2 * h + 1]));
+      _mm512_storeu_ps(out[b] + 32 * h + 16, _mm512_permutex2var_ps(acc[b][2 * h], order_hi, acc[b][2 * h + 1]));
+    }
+}
+#endif
+
 // Scores of a group of queries sharing a KV head against `n` keys (K rows at base + offsets[t]),
 // into rows[b][0 .. n).
 template <typename KV>
@@ -246,8 +346,15 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
   const int64_t block_stride = k_cache.stride(0);
   const float fscale = static_cast<float>(scale);
 
+#if defined(__AVX512BF16__)
+  // bfloat16 q and pool of head size 64 multiply on `vdpbf16ps` (score_group_dot)
+  const bool dot = std::is_same_v<Elem, bf16> && std::is_same_v<Q, bf16> && D == 64;
+#else
+  constexpr bool dot = false;
+#endif
   kvgate::parallel_claim(static_cast<int64_t>(units.size()), [&](const auto& claim) {
     std::vector<float> qbuf(max_rows * H * D), scores;
+    std::vector<uint32_t> pairs;
     std::vector<int64_t> offsets;
     std::vector<const Elem*> ptrs;
     std::vector<Elem> kloc, vloc;
@@ -256,12 +363,14 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
       const int64_t s = unit.span, n = starts[s + 1] - starts[s], ctx = lens[s];
       const int64_t keys = unit.key_end - unit.key_begin;
       offsets.resize(keys);
-      // A split's K/V lie in blocks far apart in the pool. A bfloat16 split is copied into a
-      // buffer of its own first: the copy streams the pieces in at memory speed, where scoring
-      // them in place waits on each (a float32 split, twice the bytes, gains nothing from it).
+      // A split's K/V lie in blocks far apart in the pool. A bfloat16 split widened to float32
+      // is copied into a buffer of its own first: the copy streams the pieces in at memory
+      // speed, where scoring them in place waits on each (a float32 split, twice the bytes,
+      // gains nothing from it; the `vdpbf16ps` path reads in place: with less work per byte,
+      // the copy costs it more than it saves).
       const Elem* kbase = kp;
       const Elem* vbase = vp;
-      if constexpr (std::is_same_v<Elem, bf16>) {
+      if (std::is_same_v<Elem, bf16> && !dot) {
         const int64_t row = KV * D;
         kloc.resize(keys * row);
         vloc.resize(keys * row);
@@ -282,11 +391,14 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
         }
       }
       // query j = i * H + head: row starts[s] + i, already scaled
-      for (int64_t j = 0; j < n * H; ++j) {
+      for (int64_t j = 0; j < (dot ? 0 : n * H); ++j) {
         const Q* src = qp + (starts[s] * H + j) * D;
         float* dst = qbuf.data() + j * D;
         for (int64_t e = 0; e < D; ++e) dst[e] = to_float(src[e]) * fscale;
       }
+#if defined(__AVX512BF16__)
+      const Q* qrows = qp + starts[s] * H * D;  // the dot path's queries: bfloat16, unscaled
+#endif
       scores.resize(n * H * keys);
       for (int64_t i = 0; i < n; ++i) {
         // keys after row i's position are masked: it sees the first `visible` of this split
@@ -312,7 +424,16 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
               }
               continue;
             }
-            score_group(qs, group, kbase + h * D, offsets.data(), visible, D, rows, ptrs);
+#if defined(__AVX512BF16__)
+            if constexpr (std::is_same_v<Elem, bf16> && std::is_same_v<Q, bf16>) {
+              if (dot) {
+                const bf16* qh[kMaxGroup];
+                for (int b = 0; b < group; ++b) qh[b] = qrows + (i * H + h * G + g0 + b) * D;
+                score_group_dot(qh, group, kbase + h * D, offsets.data(), visible, fscale, rows);
+              }
+            }
+#endif
+            if (!dot) score_group(qs, group, kbase + h * D, offsets.data(), visible, D, rows, ptrs);
             for (int b = 0; b < group; ++b) {
               float* row = rows[b];
               float m = kNegInf;
@@ -327,7 +448,12 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
               ml[0] = m;
               ml[1] = l;
             }
-            weigh_group(rows, group, vbase + h * D, offsets.data(), visible, D, accs, ptrs);
+#if defined(__AVX512BF16__)
+            if constexpr (std::is_same_v<Elem, bf16> && std::is_same_v<Q, bf16>) {
+              if (dot) weigh_group_dot(rows, group, vbase + h * D, offsets.data(), visible, accs, pairs);
+            }
+#endif
+            if (!dot) weigh_group(rows, group, vbase + h * D, offsets.data(), visible, D, accs, ptrs);
           }
         }
       }

@@ -231,11 +231,7 @@ using kvgate::f32x8;
 
 // v as bfloat16 holds it, lane by lane (round to nearest even; NaN stays NaN)
 inline f32x8 held8(f32x8 v) {
-  typedef uint32_t u32x8 __attribute__((vector_size(32)));
-  const u32x8 u = reinterpret_cast<u32x8>(v);
-  const u32x8 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  const u32x8 nan = (u | 0x400000u) & 0xffff0000u;
-  return reinterpret_cast<f32x8>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+  return reinterpret_cast<f32x8>(kvgate::bf16_rounded_bits(reinterpret_cast<kvgate::u32x8>(v)));
 }
 
 inline f32x8 load_bias8(const bf16* p, int64_t n) {

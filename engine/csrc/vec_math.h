@@ -17,6 +17,17 @@ inline float to_float(bf16 x) { return __builtin_bit_cast(float, static_cast<uin
 // NEON registers elsewhere).
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+// A float32's bits rounded to bfloat16 (to nearest even, as PyTorch rounds), the result in the
+// upper half and the lower half zero; a NaN stays a (quiet) NaN. U is uint32_t or a vector of
+// them: the scalar and the vector rounding share this.
+template <typename U>
+inline U bf16_rounded_bits(U u) {
+  const U rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const U nan = (u | 0x400000u) & 0xffff0000u;
+  return (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+}
 
 // For v already clamped to [-87, 88]: v = k ln2 + r with |r| <= ln2/2 (k returned, rounded to
 // nearest), and exp(r) by a degree-7 Taylor polynomial (relative error < 2e-8 on that range).

@@ -10,11 +10,12 @@ import tomllib
 from bench import survival_bench
 
 
-@pytest.mark.parametrize(("text", "ok"), [("behind", True), ("on_evict", True), ("idle", True), ("unset", True),
-                                          ("behind:0", True), ("behind:2.5", True), ("behind:-1", False),
-                                          ("behind:soon", False), ("idle:3", False), ("later", False)])
-def test_persist_settings(text: str, ok: bool) -> None:
-    assert survival_bench._persist_setting(text) is ok
+@pytest.mark.parametrize(("text", "parsed"), [
+    ("behind", ("behind", None)), ("on_evict", ("on_evict", None)), ("idle", ("idle", None)),
+    ("unset", ("unset", None)), ("behind:0", ("behind", 0.0)), ("behind:2.5", ("behind", 2.5)),
+    ("behind:-1", None), ("behind:soon", None), ("idle:3", None), ("later", None)])
+def test_persist_settings(text: str, parsed: tuple[str, float | None] | None) -> None:
+    assert survival_bench.parse_persist(text) == parsed
 
 
 def test_each_setting_writes_its_disk_section(tmp_path: Path) -> None:
@@ -24,6 +25,8 @@ def test_each_setting_writes_its_disk_section(tmp_path: Path) -> None:
     assert disk("unset") == {"path": str(tmp_path / "kv")}
     assert disk("behind")["persist"] == "behind" and "behind_delay_s" not in disk("behind")
     assert disk("behind:0") == {"path": str(tmp_path / "kv"), "persist": "behind", "behind_delay_s": 0.0}
+    with pytest.raises(ValueError, match="later"):
+        survival_bench.server_config(tmp_path / "kv", "later")
 
 
 def test_a_bad_setting_is_refused_with_the_list(capsys: pytest.CaptureFixture[str]) -> None:

@@ -164,7 +164,7 @@ def test_persist_behind_waits_while_busy_up_to_its_delay(tmp_path: Path, made: l
     assert {i for i in range(5) if key(i) in chain.store} == {0, 1, 2}
     assert chain.persist_behind(busy=False) == 2 and chain.drain_writes(WAIT_S)  # idle: the rest at once
     assert all(key(i) in chain.store for i in range(5)) and chain.stats.persisted_behind == 5
-    assert chain.snapshot()["chain"]["behind_delay_s"] == 10.0 and not chain._noted_at
+    assert chain.snapshot()["chain"]["behind_delay_s"] == 10.0 and not chain._unpersisted
 
 
 def test_a_zero_delay_or_another_mode_writes_behind_while_busy(tmp_path: Path, made: list[TierChain]) -> None:
@@ -177,8 +177,8 @@ def test_a_zero_delay_or_another_mode_writes_behind_while_busy(tmp_path: Path, m
 
 
 def test_a_torn_copy_keeps_its_place_in_time(tmp_path: Path, made: list[TierChain]) -> None:
-    """A device block whose copy was found torn goes back to the line with the time it was first
-    noted, so a retry does not restart its delay."""
+    """A device block whose copy was found torn goes back to the front of the line with the time
+    it was first noted, so a retry does not restart its delay nor wait behind younger blocks."""
     from cache.tiers.writes import RETRY
 
     made.append(chain := slow_chain(tmp_path, host_blocks=8, persist="behind", behind_delay_s=10.0))
@@ -189,13 +189,14 @@ def test_a_torn_copy_keeps_its_place_in_time(tmp_path: Path, made: list[TierChai
     now[0] = 111.0
     assert chain.persist_behind(busy=True) == 1 and chain.drain_writes(WAIT_S)
     assert key(7) not in chain.store  # the first copy was torn: not written
+    chain.note_computed(key(8), lambda: raw(8))  # noted now: younger than the delay
     deadline = time.monotonic() + WAIT_S
     while key(7) not in chain.store:  # the retry is 11 s old already: written while busy
         assert time.monotonic() < deadline, "the torn copy was never retried"
         chain.persist_behind(busy=True)
         chain.drain_writes(WAIT_S)
         time.sleep(0.005)
-    assert chain._noted_at == {}
+    assert key(8) not in chain.store and list(chain._unpersisted) == [key(8)]
 
 
 def test_persist_idle_writes_behind_on_the_idle_thread_only(tmp_path: Path, made: list[TierChain],

@@ -539,15 +539,16 @@ def test_the_calibration_ops_measure_positive_rates_and_refuse_bad_input() -> No
         ops.fma_peak(0)
 
 
-def _bf16_inputs(spans: list[tuple[int, int]], seed: int):
-    """A bfloat16 query (9 heads over 3 KV heads of 64) and pool for `spans` ((rows, context) each)."""
-    k_cache, v_cache = (t.bfloat16() for t in _pool(3, 64, seed=seed))
+def _bf16_inputs(spans: list[tuple[int, int]], seed: int, head_dim: int = 64):
+    """A bfloat16 query (9 heads over 3 KV heads of `head_dim`) and pool for `spans` ((rows,
+    context) each)."""
+    k_cache, v_cache = (t.bfloat16() for t in _pool(3, head_dim, seed=seed))
     rng = random.Random(seed)
     width = max(-(-ctx // BS) for _, ctx in spans)
     tables = torch.tensor([rng.sample(range(k_cache.shape[0]), width) for _ in spans], dtype=torch.long)
     q_start = torch.tensor([0] + [n for n, _ in spans]).cumsum(0)
     ctx_lens = torch.tensor([ctx for _, ctx in spans])
-    q = torch.randn(int(q_start[-1]), 9, 64, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    q = torch.randn(int(q_start[-1]), 9, head_dim, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
     return q, k_cache, v_cache, tables, q_start, ctx_lens
 
 
@@ -565,6 +566,25 @@ def test_kernel_over_a_bfloat16_pool_matches_sdpa_in_float32(spans: list[tuple[i
     mixed = op(q.float(), k_cache, v_cache, tables, q_start, ctx_lens, 0.125, 32)  # a float32 query, bf16 pool
     assert mixed.dtype == torch.float32
     torch.testing.assert_close(mixed, expected, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("split", [7, 32, 4096])
+def test_few_row_kernel_over_a_bfloat16_pool_at_every_head_size(head_dim: int, split: int) -> None:
+    """Head size 64 with AVX512-BF16 multiplies on `vdpbf16ps` in place (the weights rounded to
+    bfloat16 in pairs of keys, an odd last key paired with a zero weight); other sizes, and CPUs
+    without it, widen a copy of each split to float32: the float32 query's sums, rounded once."""
+    spans = [(1, 1), (1, 2), (1, 15), (1, 16), (1, 17), (1, 33), (3, 47), (8, 300), (1, 301)]
+    q, k_cache, v_cache, tables, q_start, ctx_lens = _bf16_inputs(spans, head_dim, head_dim)
+    scale = head_dim ** -0.5
+    expected = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, q_start, ctx_lens, scale)
+    got = op(q, k_cache, v_cache, tables, q_start, ctx_lens, scale, split)
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+    mixed = op(q.float(), k_cache, v_cache, tables, q_start, ctx_lens, scale, split)
+    if head_dim != 64 or ops.bf16_dot_peak(1_000) == 0.0:
+        assert torch.equal(got, mixed.bfloat16())
 
 
 @needs_kernel
