@@ -199,10 +199,16 @@ class ModelRunner:
         return torch.tensor(keep, dtype=torch.long, device=self.device), rows_meta
 
     def _few_rows_op(self) -> Callable[..., torch.Tensor]:
-        """The few-row kernel as a `PagedRows.op` (it wants a contiguous query)."""
+        """The few-row kernel as a `PagedRows.op` (it takes rows at any stride, each row's heads
+        contiguous: the fast decoder's view of its fused q/k/v projection as it is)."""
         paged = self.paged_kernel
         assert paged is not None
-        return lambda q, *args: paged(q.contiguous(), *args, attention.KERNEL_SPLIT_TOKENS)
+
+        def op(q: torch.Tensor, *args: Any) -> torch.Tensor:
+            if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+                q = q.contiguous()
+            return paged(q, *args, attention.KERNEL_SPLIT_TOKENS)
+        return op
 
     def _paged_rows(self, spans: list[tuple[int, int, int, Sequence[int]]],
                     op: Callable[..., torch.Tensor]) -> PagedRows:

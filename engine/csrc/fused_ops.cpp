@@ -34,14 +34,7 @@ namespace {
 // (`narrow`), so the result is theirs but for the order of the sums.
 using kvgate::bf16;
 using kvgate::to_float;
-template <typename T>
-inline T narrow(float f) {
-  if constexpr (std::is_same_v<T, float>) {
-    return f;
-  } else {
-    return static_cast<bf16>(kvgate::bf16_rounded_bits(__builtin_bit_cast(uint32_t, f)) >> 16);
-  }
-}
+using kvgate::narrow;
 // f as a T holds it (float32: f itself)
 template <typename T>
 inline float held(float f) { return to_float(narrow<T>(f)); }

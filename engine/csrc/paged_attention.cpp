@@ -9,7 +9,8 @@
 // first (claim.h).
 //
 // Shapes (float32 or bfloat16 q and pool, computed in float32; the layouts engine/attention.py has):
-//   q          [T, H, D]                 contiguous; rows of span s are q_start[s] .. q_start[s+1]-1
+//   q          [T, H, D]                 heads contiguous, any row stride; rows of span s are
+//                                        q_start[s] .. q_start[s+1]-1
 //   k/v cache  [NB, BS, KV, D]           a layer's view: any block stride, contiguous inside a block
 //   tables     [S, W] int64              block ids of span s's context, in order (padded)
 //   q_start    [S + 1] int64
@@ -46,6 +47,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // The pool holds float32 or bfloat16 K/V; either is read as float32 and every sum is float32.
 using kvgate::bf16;
 using kvgate::to_float;
+using kvgate::narrow;
 
 // exp of scores shifted by their max (<= 0; -inf for masked keys, whose weight is 0).
 inline void exp_nonpositive(float* x, int64_t n) {
@@ -335,12 +337,13 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
   first_unit[S] = static_cast<int64_t>(units.size());
 
   const auto f32 = q.options().dtype(at::kFloat);
-  auto out = at::empty({T, H, D}, f32);
+  auto out = at::empty({T, H, D}, q.options());  // q's dtype: a bfloat16 row is rounded once, here
   auto part_acc = at::empty({std::max<int64_t>(partials, 1), D}, f32);
   auto part_ml = at::empty({std::max<int64_t>(partials, 1), 2}, f32);
   float* acc_all = part_acc.data_ptr<float>();
   float* ml_all = part_ml.data_ptr<float>();
   const Q* qp = static_cast<const Q*>(q.data_ptr());
+  const int64_t q_row = q.stride(0);  // rows may be strided (a view of the fused q/k/v projection)
   const Elem* kp = static_cast<const Elem*>(k_cache.data_ptr());
   const Elem* vp = static_cast<const Elem*>(v_cache.data_ptr());
   const int64_t block_stride = k_cache.stride(0);
@@ -392,12 +395,12 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
       }
       // query j = i * H + head: row starts[s] + i, already scaled
       for (int64_t j = 0; j < (dot ? 0 : n * H); ++j) {
-        const Q* src = qp + (starts[s] * H + j) * D;
+        const Q* src = qp + (starts[s] + j / H) * q_row + (j % H) * D;
         float* dst = qbuf.data() + j * D;
         for (int64_t e = 0; e < D; ++e) dst[e] = to_float(src[e]) * fscale;
       }
 #if defined(__AVX512BF16__)
-      const Q* qrows = qp + starts[s] * H * D;  // the dot path's queries: bfloat16, unscaled
+      const Q* qrows = qp + starts[s] * q_row;  // the dot path's queries: bfloat16, unscaled
 #endif
       scores.resize(n * H * keys);
       for (int64_t i = 0; i < n; ++i) {
@@ -428,7 +431,7 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
             if constexpr (std::is_same_v<Elem, bf16> && std::is_same_v<Q, bf16>) {
               if (dot) {
                 const bf16* qh[kMaxGroup];
-                for (int b = 0; b < group; ++b) qh[b] = qrows + (i * H + h * G + g0 + b) * D;
+                for (int b = 0; b < group; ++b) qh[b] = qrows + i * q_row + (h * G + g0 + b) * D;
                 score_group_dot(qh, group, kbase + h * D, offsets.data(), visible, fscale, rows);
               }
             }
@@ -461,18 +464,20 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
   });
 
   // merge the splits of each span into its output rows
-  float* op = out.data_ptr<float>();
+  Q* op = static_cast<Q*>(out.data_ptr());
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D);
     for (int64_t s = begin; s < end; ++s) {
       const int64_t n = starts[s + 1] - starts[s], u0 = first_unit[s], splits = first_unit[s + 1] - u0;
       for (int64_t j = 0; j < n * H; ++j) {
-        float* dst = op + (starts[s] * H + j) * D;
+        float* dst = row.data();
+        Q* to = op + (starts[s] * H + j) * D;
         if (splits == 1) {  // one split: its partial row is the answer
           const int64_t p = units[u0].partial + j;
           const float inv = 1.0f / ml_all[p * 2 + 1];
           const float* src = acc_all + p * D;
 #pragma omp simd
-          for (int64_t e = 0; e < D; ++e) dst[e] = src[e] * inv;
+          for (int64_t e = 0; e < D; ++e) to[e] = narrow<Q>(src[e] * inv);
           continue;
         }
         float m = kNegInf;
@@ -490,18 +495,17 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
         }
         const float inv = 1.0f / l;
 #pragma omp simd
-        for (int64_t e = 0; e < D; ++e) dst[e] *= inv;
+        for (int64_t e = 0; e < D; ++e) to[e] = narrow<Q>(dst[e] * inv);
       }
     }
   });
-  return std::is_same_v<Q, float> ? out : out.to(q.scalar_type());
+  return out;
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& tables, const at::Tensor& q_start, const at::Tensor& ctx_lens,
                            double scale, int64_t split_tokens) {
   const kvgate::PagedInputs in = kvgate::check_paged_inputs(q, k_cache, v_cache, tables, q_start, ctx_lens, true);
-  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
   TORCH_CHECK(split_tokens > 0, "split_tokens must be positive");
   return kvgate::by_element_types(q, k_cache, [&](auto elem, auto q_elem) {
     return paged_attention_of<decltype(elem), decltype(q_elem)>(q, k_cache, v_cache, in, scale, split_tokens);

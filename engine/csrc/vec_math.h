@@ -29,6 +29,16 @@ inline U bf16_rounded_bits(U u) {
   return (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
 }
 
+// f as a T (float or bf16): itself, or rounded to bfloat16 as above.
+template <typename T>
+inline T narrow(float f) {
+  if constexpr (sizeof(T) == sizeof(float)) {
+    return f;
+  } else {
+    return static_cast<bf16>(bf16_rounded_bits(__builtin_bit_cast(uint32_t, f)) >> 16);
+  }
+}
+
 // For v already clamped to [-87, 88]: v = k ln2 + r with |r| <= ln2/2 (k returned, rounded to
 // nearest), and exp(r) by a degree-7 Taylor polynomial (relative error < 2e-8 on that range).
 // T is float or f32x8: the scalar and the vector exp share this arithmetic.

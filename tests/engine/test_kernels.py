@@ -114,6 +114,27 @@ def test_chunk_kernel_reads_rows_of_a_wider_tensor() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_row_kernel_reads_rows_of_a_wider_tensor(dtype: torch.dtype) -> None:
+    """The runner passes the fast decoder's q as it is: a view of the fused q/k/v projection (a
+    row stride past H * D); the result is the contiguous copy's, in q's dtype."""
+    k_cache, v_cache = (t.to(dtype) for t in _pool(3, 64))
+    qkv = torch.randn(6, 15 * 64).to(dtype)
+    q = qkv[:, : 9 * 64].view(6, 9, 64)
+    tables = torch.tensor([[3, 1, 4, 0], [5, 9, 2, 6]])
+    q_start, ctx_lens = torch.tensor([0, 1, 6]), torch.tensor([60, 37])
+    got = op(q, k_cache, v_cache, tables, q_start, ctx_lens, 0.125, 16)
+    assert got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got, op(q.contiguous(), k_cache, v_cache, tables, q_start, ctx_lens, 0.125, 16))
+    expected = paged_attention_reference(q.float().contiguous(), k_cache.float(), v_cache.float(), tables, q_start,
+                                         ctx_lens, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        op(q.transpose(0, 1).contiguous().transpose(0, 1), k_cache, v_cache, tables, q_start, ctx_lens, 0.125, 16)
+
+
+@needs_kernel
 def test_chunk_kernel_rejects_inconsistent_input_with_a_clear_error() -> None:
     k_cache, v_cache = _pool(3, 64)
     q = torch.randn(20, 9, 64)
@@ -193,7 +214,8 @@ def test_engine_outputs_and_logits_are_the_same_with_and_without_the_kernel(tiny
 @needs_kernel
 def test_transformers_modules_path_gives_the_same_logits_with_the_kernels(tiny_model_dir) -> None:
     """Models off the fast decoder reach the kernels through transformers' attention call, whose
-    query is a transposed view: a cold prompt and a 20-row chunk over it, kernels on and off."""
+    query is a transposed view: a cold prompt, a 20-row chunk over it and a decode, kernels on and
+    off."""
     from cache.kv_storage import KVStorage
     from engine.runner import ModelRunner
 
@@ -206,7 +228,8 @@ def test_transformers_modules_path_gives_the_same_logits_with_the_kernels(tiny_m
         assert runner.fast is None and (runner.chunk_kernel is not None) is (native is not None)
         first = runner.execute([list(range(3, 33))], [0], [[0, 1]], [0])
         second = runner.execute([list(range(40, 60))], [30], [[0, 1, 2, 3]], [0])
-        logits.append(torch.cat([first, second]))
+        third = runner.execute([[7]], [50], [[0, 1, 2, 3]], [0])  # a decode: the few-row kernel
+        logits.append(torch.cat([first, second, third]))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
     # a query laid out heads-first ([H, T, D] memory, as a model could hand it over) works too
