@@ -79,6 +79,40 @@ inline void weigh_values_generic(const float* p, const KV* const* values, int64_
   }
 }
 
+// The K/V rows of the unit a thread takes next, prefetched (into L2) a few lines at a time while
+// it works on the current one. A split's rows lie in blocks far apart in the pool: read on
+// demand, each block's first lines wait on memory; spread over the current unit's loops, the
+// next unit's stream in at the pace the work goes.
+struct NextRows {
+  struct Run {
+    const char* k;
+    const char* v;
+    int64_t lines;
+  };
+  std::vector<Run> runs;
+  size_t run = 0;
+  int64_t line = 0, per_step = 0;
+
+  void clear() { runs.clear(), run = 0, line = 0, per_step = 0; }
+  void add(const void* k, const void* v, int64_t bytes) {
+    runs.push_back({static_cast<const char*>(k), static_cast<const char*>(v), (bytes + 63) / 64});
+  }
+  // spread the runs' lines over `steps` calls of step()
+  void pace(int64_t steps) {
+    int64_t lines = 0;
+    for (const Run& r : runs) lines += r.lines;
+    per_step = steps > 0 ? (lines + steps - 1) / steps : lines;
+  }
+  inline void step() {
+    for (int64_t c = per_step; c > 0 && run < runs.size(); --c) {
+      const Run& r = runs[run];
+      __builtin_prefetch(r.k + 64 * line, 0, 2);  // locality 2: prefetcht1 on x86 (into L2)
+      __builtin_prefetch(r.v + 64 * line, 0, 2);
+      if (++line == r.lines) ++run, line = 0;
+    }
+  }
+};
+
 #if defined(__AVX512VL__)
 constexpr int kMaxGroup = 3;  // 3 x 8 accumulators in the 32 vector registers AVX-512 gives
 #else
@@ -127,11 +161,12 @@ inline void score_keys8_64(const float* const* q, const KV* const* keys, float* 
 // out[b] = sum_t p[b][t] * V row t (head size 64) for t < n: each V row loaded once for all B.
 template <int B, typename KV>
 inline void weigh_group_64(const float* const* p, const KV* base, const int64_t* offsets, int64_t n,
-                           float* const* out) {
+                           float* const* out, NextRows& next) {
   __m256 acc[B][8];
   for (int b = 0; b < B; ++b)
     for (int c = 0; c < 8; ++c) acc[b][c] = _mm256_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
+    next.step();
     const KV* v = base + offsets[t];
     __m256 w[B];
     for (int b = 0; b < B; ++b) w[b] = _mm256_set1_ps(p[b][t]);
@@ -146,10 +181,11 @@ inline void weigh_group_64(const float* const* p, const KV* base, const int64_t*
 
 template <int B, typename KV>
 inline void score_group_64(const float* const* q, const KV* base, const int64_t* offsets, int64_t n,
-                           float* const* rows) {
+                           float* const* rows, NextRows& next) {
   const KV* keys[8];
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) {
+    next.step();
     for (int k = 0; k < 8; ++k) keys[k] = base + offsets[t + k];
     score_keys8_64<B>(q, keys, rows, t);
   }
@@ -194,10 +230,11 @@ inline __m512 sum16(const __m512* v) {
 
 // rows[b][t] = scale * (q[b] . K row t) for t < n, q[b] 64 bfloat16.
 inline void score_group_dot(const bf16* const* q, int group, const bf16* base, const int64_t* offsets, int64_t n,
-                            float scale, float* const* rows) {
+                            float scale, float* const* rows, NextRows& next) {
   for (int b = 0; b < group; ++b) {
     const __m512bh qlo = as_bh(load32(q[b])), qhi = as_bh(load32(q[b] + 32));
     for (int64_t t = 0; t < n; t += 16) {
+      if (b == 0) next.step();
       const int keys = static_cast<int>(std::min<int64_t>(16, n - t));
       __m512 acc[16];
 #pragma GCC unroll 16
@@ -218,7 +255,7 @@ inline void score_group_dot(const bf16* const* q, int group, const bf16* base, c
 // out[b] = sum_t p[b][t] * V row t for t < n (head size 64); `pairs`: scratch for the weights as
 // bfloat16 pairs.
 inline void weigh_group_dot(const float* const* p, int group, const bf16* base, const int64_t* offsets, int64_t n,
-                            float* const* out, std::vector<uint32_t>& pairs) {
+                            float* const* out, std::vector<uint32_t>& pairs, NextRows& next) {
   const int64_t stride = (n + 31) / 32 * 16;  // whole vectors of pairs per query
   pairs.resize(static_cast<size_t>(kMaxGroup * stride));
   for (int b = 0; b < group; ++b) {
@@ -237,6 +274,7 @@ inline void weigh_group_dot(const float* const* p, int group, const bf16* base, 
   for (int b = 0; b < group; ++b)
     for (int c = 0; c < 4; ++c) acc[b][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; t += 2) {
+    next.step();
     const bf16* a = base + offsets[t];
     const bf16* z = t + 1 < n ? base + offsets[t + 1] : a;  // its weight is 0
     const __m512i alo = load32(a), ahi = load32(a + 32), zlo = load32(z), zhi = load32(z + 32);
@@ -263,35 +301,35 @@ inline void weigh_group_dot(const float* const* p, int group, const bf16* base, 
 // into rows[b][0 .. n).
 template <typename KV>
 inline void score_group(const float* const* q, int group, const KV* base, const int64_t* offsets, int64_t n,
-                        int64_t d, float* const* rows, std::vector<const KV*>& ptrs) {
+                        int64_t d, float* const* rows, std::vector<const KV*>& ptrs, NextRows& next) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (d == 64) {
     if constexpr (kMaxGroup >= 3) {
-      if (group == 3) return score_group_64<3>(q, base, offsets, n, rows);
-      if (group == 2) return score_group_64<2>(q, base, offsets, n, rows);
+      if (group == 3) return score_group_64<3>(q, base, offsets, n, rows, next);
+      if (group == 2) return score_group_64<2>(q, base, offsets, n, rows, next);
     }
-    return score_group_64<1>(q, base, offsets, n, rows);
+    return score_group_64<1>(q, base, offsets, n, rows, next);
   }
 #endif
   ptrs.resize(n);
-  for (int64_t t = 0; t < n; ++t) ptrs[t] = base + offsets[t];
+  for (int64_t t = 0; t < n; ++t) ptrs[t] = base + offsets[t], next.step();
   for (int b = 0; b < group; ++b) score_row_generic(q[b], ptrs.data(), n, d, rows[b]);
 }
 
 template <typename KV>
 inline void weigh_group(const float* const* p, int group, const KV* base, const int64_t* offsets, int64_t n,
-                        int64_t d, float* const* out, std::vector<const KV*>& ptrs) {
+                        int64_t d, float* const* out, std::vector<const KV*>& ptrs, NextRows& next) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (d == 64) {
     if constexpr (kMaxGroup >= 3) {
-      if (group == 3) return weigh_group_64<3>(p, base, offsets, n, out);
-      if (group == 2) return weigh_group_64<2>(p, base, offsets, n, out);
+      if (group == 3) return weigh_group_64<3>(p, base, offsets, n, out, next);
+      if (group == 2) return weigh_group_64<2>(p, base, offsets, n, out, next);
     }
-    return weigh_group_64<1>(p, base, offsets, n, out);
+    return weigh_group_64<1>(p, base, offsets, n, out, next);
   }
 #endif
   ptrs.resize(n);
-  for (int64_t t = 0; t < n; ++t) ptrs[t] = base + offsets[t];
+  for (int64_t t = 0; t < n; ++t) ptrs[t] = base + offsets[t], next.step();
   for (int b = 0; b < group; ++b) weigh_values_generic(p[b], ptrs.data(), n, d, out[b]);
 }
 
@@ -355,17 +393,37 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
 #else
   constexpr bool dot = false;
 #endif
-  kvgate::parallel_claim(static_cast<int64_t>(units.size()), [&](const auto& claim) {
+  const int64_t threads = at::get_num_threads();
+  kvgate::parallel_claim(static_cast<int64_t>(units.size()), [&](kvgate::Claims& claim) {
     std::vector<float> qbuf(max_rows * H * D), scores;
     std::vector<uint32_t> pairs;
     std::vector<int64_t> offsets;
     std::vector<const Elem*> ptrs;
     std::vector<Elem> kloc, vloc;
-    for (int64_t u = claim(); u >= 0; u = claim()) {
+    NextRows next;
+    // a thread holds the unit it works on and the one it takes next, prefetching it (NextRows),
+    // while at least one more unit is left per thread: the last ones go to whichever is free
+    const auto ahead = [&](int64_t u) { return u >= 0 && claim.left() >= threads ? claim() : -1; };
+    for (int64_t u = claim(), after = ahead(u); u >= 0;) {
       const Unit& unit = units[u];
       const int64_t s = unit.span, n = starts[s + 1] - starts[s], ctx = lens[s];
       const int64_t keys = unit.key_end - unit.key_begin;
       offsets.resize(keys);
+      next.clear();
+      if (after >= 0) {  // the unit after this one streams in meanwhile
+        const Unit& a = units[after];
+        const int64_t row = KV * D;
+        for (int64_t t = a.key_begin; t < a.key_end;) {
+          const int64_t run = std::min(a.key_end, (t / BS + 1) * BS) - t;
+          const int64_t src = table[a.span * W + t / BS] * block_stride + (t % BS) * row;
+          next.add(kp + src, vp + src, run * row * static_cast<int64_t>(sizeof(Elem)));
+          t += run;
+        }
+        // calls of next.step() in this unit: per key tile of the scores, per key (pair) of the values
+        const int64_t groups = KV * ((G + kMaxGroup - 1) / kMaxGroup);
+        const int64_t score_steps = dot ? (keys + 15) / 16 : (D == 64 ? keys / 8 : keys);
+        next.pace(n * groups * (score_steps + (dot ? (keys + 1) / 2 : keys)));
+      }
       // A split's K/V lie in blocks far apart in the pool. A bfloat16 split widened to float32
       // is copied into a buffer of its own first: the copy streams the pieces in at memory
       // speed, where scoring them in place waits on each (a float32 split, twice the bytes,
@@ -432,11 +490,11 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
               if (dot) {
                 const bf16* qh[kMaxGroup];
                 for (int b = 0; b < group; ++b) qh[b] = qrows + i * q_row + (h * G + g0 + b) * D;
-                score_group_dot(qh, group, kbase + h * D, offsets.data(), visible, fscale, rows);
+                score_group_dot(qh, group, kbase + h * D, offsets.data(), visible, fscale, rows, next);
               }
             }
 #endif
-            if (!dot) score_group(qs, group, kbase + h * D, offsets.data(), visible, D, rows, ptrs);
+            if (!dot) score_group(qs, group, kbase + h * D, offsets.data(), visible, D, rows, ptrs, next);
             for (int b = 0; b < group; ++b) {
               float* row = rows[b];
               float m = kNegInf;
@@ -453,13 +511,15 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
             }
 #if defined(__AVX512BF16__)
             if constexpr (std::is_same_v<Elem, bf16> && std::is_same_v<Q, bf16>) {
-              if (dot) weigh_group_dot(rows, group, vbase + h * D, offsets.data(), visible, accs, pairs);
+              if (dot) weigh_group_dot(rows, group, vbase + h * D, offsets.data(), visible, accs, pairs, next);
             }
 #endif
-            if (!dot) weigh_group(rows, group, vbase + h * D, offsets.data(), visible, D, accs, ptrs);
+            if (!dot) weigh_group(rows, group, vbase + h * D, offsets.data(), visible, D, accs, ptrs, next);
           }
         }
       }
+      u = after >= 0 ? after : claim();
+      after = ahead(u);
     }
   });
 
