@@ -6,7 +6,8 @@
 // `vdpbf16ps` (below). Each K/V row is loaded once for the query heads that share its KV head
 // (GQA, up to three at a time). Each split keeps its own softmax max, sum and weighted values,
 // merged at the end (the usual log-sum-exp combination). Units go to whichever thread is free
-// first (claim.h).
+// first (claim.h); while there are enough, a thread also holds the unit it takes next and
+// prefetches its K/V rows as it works (NextRows).
 //
 // Shapes (float32 or bfloat16 q and pool, computed in float32; the layouts engine/attention.py has):
 //   q          [T, H, D]                 heads contiguous, any row stride; rows of span s are
@@ -262,10 +263,9 @@ inline void weigh_group_dot(const float* const* p, int group, const bf16* base, 
     uint32_t* pb = pairs.data() + b * stride;
     for (int64_t t = 0; t < n; t += 32) {  // 32 weights -> 16 pairs (an odd last key pairs with 0)
       const int64_t m = std::min<int64_t>(32, n - t);
-      const __m512 lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>(m >= 16 ? 0xffffu : (1u << m) - 1u), p[b] + t);
-      const __m512 hi = m > 16 ? _mm512_maskz_loadu_ps(static_cast<__mmask16>(m >= 32 ? 0xffffu : (1u << (m - 16)) - 1u),
-                                                       p[b] + t + 16)
-                               : _mm512_setzero_ps();
+      const auto first = [](int64_t k) { return static_cast<__mmask16>(k >= 16 ? 0xffffu : (1u << k) - 1u); };
+      const __m512 lo = _mm512_maskz_loadu_ps(first(m), p[b] + t);
+      const __m512 hi = m > 16 ? _mm512_maskz_loadu_ps(first(m - 16), p[b] + t + 16) : _mm512_setzero_ps();
       // cvtne2ps_pbh(hi, lo): lo's 16 weights in the low half, in key order: pairs as they come
       _mm512_storeu_si512(pb + t / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
     }
