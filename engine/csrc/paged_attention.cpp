@@ -451,12 +451,13 @@ at::Tensor paged_attention_of(const at::Tensor& q, const at::Tensor& k_cache, co
           offsets[t - unit.key_begin] = offset;
         }
       }
-      // query j = i * H + head: row starts[s] + i, already scaled
-      for (int64_t j = 0; j < (dot ? 0 : n * H); ++j) {
-        const Q* src = qp + (starts[s] + j / H) * q_row + (j % H) * D;
-        float* dst = qbuf.data() + j * D;
-        for (int64_t e = 0; e < D; ++e) dst[e] = to_float(src[e]) * fscale;
-      }
+      // query j = i * H + head: row starts[s] + i, scaled, as float32 (the dot path reads q as it is)
+      if (!dot)
+        for (int64_t j = 0; j < n * H; ++j) {
+          const Q* src = qp + (starts[s] + j / H) * q_row + (j % H) * D;
+          float* dst = qbuf.data() + j * D;
+          for (int64_t e = 0; e < D; ++e) dst[e] = to_float(src[e]) * fscale;
+        }
 #if defined(__AVX512BF16__)
       const Q* qrows = qp + starts[s] * q_row;  // the dot path's queries: bfloat16, unscaled
 #endif
