@@ -19,7 +19,8 @@
 // it (panel_schedule.h `Ahead`), so its stream is in flight, at the pace the blocks compute,
 // before the kernel reaches it. With 16 vector registers (AVX2), or a layer of one panel, a tile
 // covers one panel with kMaxRows x 2 accumulators, and the tiles over a panel prefetch the panel
-// after next in slices the same way (a single row prefetches nothing).
+// after next in slices the same way (a single row prefetches nothing); there a thread walks its
+// panels once per block of rows that fits in L2 (panel_schedule.h `for_each_panel`).
 //
 // Shapes: x [M, K] (any row stride, unit column stride); panels [P, K, kWidth] from
 // `pack_panels` (columns past N zero); bias [N] or none. Returns [M, N].
@@ -238,15 +239,11 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& panels, const std::
     // Each tile of a panel prefetches its slice of the panel after next, as the pair tiles do
     // (all of it in the first tile left the later ones waiting on memory). A single row streams
     // faster on the hardware prefetchers alone (docs/engine.md).
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const float* ahead = M > 1 && p + 2 < P ? wp + (p + 2) * stride : nullptr;
-        const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
-        for (int64_t t = 0, r0 = 0; r0 < M; ++t, r0 += kMaxRows)
-          run(One{}, p, r0, static_cast<int>(std::min<int64_t>(kMaxRows, M - r0)),
-              kvgate::Ahead<float>{ahead, t, tiles});
-      }
-    });
+    const int64_t block = kvgate::row_block(M, K * static_cast<int64_t>(sizeof(float)), kMaxRows);
+    kvgate::for_each_panel(P, M, kMaxRows, block, wp, stride,
+                           [&](int64_t p, int64_t r0, int rows, const kvgate::Ahead<float>& ahead) {
+                             run(One{}, p, r0, rows, ahead);
+                           });
     return y;
   }
   kvgate::for_each_panel_pair(P, M, kWideRows, wp, stride, run);
