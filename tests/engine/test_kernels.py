@@ -313,8 +313,9 @@ def test_rope_write_kv_rotates_in_place_and_refuses_slots_outside_the_pool() -> 
 
 
 def scale_for(in_features: int) -> float:
-    """x's scale for a panel test: 1 up to 576 features; past that, sums of the size 576 gives (a
-    sum of 4,096 unit products strays further than the tolerances from another summing order)."""
+    """x's scale in a panel test: 1 up to 576 features, beyond that 1 / sqrt(features / 576), so
+    the sums stay the size 576 features give (a sum of 4,096 unit products, summed in another
+    order than F.linear's, strays further than the float32 tolerances below)."""
     return min(1.0, (576 / in_features) ** 0.5)
 
 
