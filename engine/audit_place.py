@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from cache.tiers.control import drop_stores
+from cache.tiers.control import drop_stores, may_land
 from engine.cache_control import CacheCommand, Reply, is_audit_tenant, refusal
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ def place(control: CacheControl, command: CacheCommand, reply: Reply) -> None:
     assert chain is not None and chain.io is not None
     target, io = below[depth - 1], chain.io
     above = [store for store in chain.stores if names.index(store.name) < depth]
-    settle = [k for k in keys if chain.on_lower_tier(k)]
+    settle = [k for k in keys if may_land(chain, k)]
 
     async def down() -> dict[str, Any]:
         if above:

@@ -37,6 +37,7 @@ from cache.tiers.control import (
     attach_book,
     drop_local,
     drop_stores,
+    may_land,
     presence,
     settle_shared,
     settle_writes,
@@ -273,7 +274,7 @@ class CacheControl:
             skipped += gone is False
         if memory is not None:
             dropped[memory.name] = drop_local(chain, host_keys)
-        settle = [k for k in store_keys if chain is not None and chain.on_lower_tier(k)]
+        settle = [k for k in store_keys if chain is not None and may_land(chain, k)]
         self.counters.skipped_in_use += skipped
         tag = self._tag(tenant, command.namespace_salt)
         everything = command.prompt_token_ids is None

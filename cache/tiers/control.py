@@ -104,11 +104,18 @@ def drop_local(chain: Any, keys: Iterable[bytes]) -> int:
     return sum(1 for key in keys if memory.delete(key))
 
 
+def may_land(chain: Any, key: bytes) -> bool:
+    """Whether ``key`` may still reach a store after a delete: held above the stores, or a write
+    of it (an eviction's or a background one) in flight."""
+    return bool(chain.on_lower_tier(key) or chain.write_in_flight(key))
+
+
 async def drop_stores(chain: Any, stores: Sequence[Any], keys: Sequence[bytes], settle: Sequence[bytes] = ()
                       ) -> dict[str, int]:
     """Delete ``keys`` from each of ``stores`` (files unlinked on a worker thread, never the I/O
     loop itself); per store, how many it held. ``settle``: blocks whose disk write was in flight
-    when the delete came: waited for (up to `WRITE_SETTLE_S`) and deleted once written."""
+    when the delete came (`may_land`): waited for (up to `WRITE_SETTLE_S`) and deleted once
+    written."""
     loop = asyncio.get_running_loop()
 
     def delete_all(batch: Sequence[bytes]) -> dict[str, int]:
@@ -120,7 +127,7 @@ async def drop_stores(chain: Any, stores: Sequence[Any], keys: Sequence[bytes], 
         for name, n in (await loop.run_in_executor(None, delete_all, done)).items():
             dropped[name] += n
 
-    await _when_landed(settle, lambda pending: [k for k in pending if chain.on_lower_tier(k)], delete_landed)
+    await _when_landed(settle, lambda pending: [k for k in pending if may_land(chain, k)], delete_landed)
     return dropped
 
 

@@ -91,6 +91,9 @@ class ChainState:
         # it); `_writing_to` names those stores
         self._writing: dict[bytes, bytes | memoryview] = {}
         self._writing_to: dict[bytes, set[str]] = {}
+        # background writes (persist = "behind"/"idle") in flight, key -> how many: their bytes are
+        # copied on a writer thread, so a delete must wait for them to land and delete again
+        self._persisting: dict[bytes, int] = {}
         # blocks that may not be on disk yet, oldest first (persist = "behind" writes them), key ->
         # (source, when first noted by `_clock`): host blocks (source None: copied from their
         # slot) and computed device blocks (source (copy, owner))
@@ -144,6 +147,10 @@ class ChainState:
     def on_lower_tier(self, key: bytes) -> bool:
         """Whether the block can be promoted without a read: in host, staged, or being written."""
         return (self.memory is not None and key in self.memory) or key in self._staged or key in self._writing
+
+    def write_in_flight(self, key: bytes) -> bool:
+        """Whether a write of the block to a store may still land: an eviction's or a background one."""
+        return key in self._writing or key in self._persisting
 
     def tier(self, name: str) -> Any:
         """The attached tier called ``name``, or None."""

@@ -222,11 +222,23 @@ class WritePath(ChainState):
             targets = [store for store in targets if store.ledger.admits(owner)]
             if not targets or not self._reserve_write(1):
                 continue
+            with self._write_lock:
+                self._persisting[key] = self._persisting.get(key, 0) + 1
             coro = self._timed(f"{targets[0].name}_write",
                                self._persist(targets, executor, key, copy, owner, source, noted), time.perf_counter())
-            io.submit(coro).add_done_callback(functools.partial(self._write_done, None, None))
+            io.submit(coro).add_done_callback(functools.partial(self._persisted, key))
             started += 1
         return started
+
+    def _persisted(self, key: bytes, future: Future[Any]) -> None:
+        """A background write of ``key`` ended (on the I/O thread), written or not."""
+        with self._write_lock:
+            left = self._persisting.get(key, 1) - 1
+            if left > 0:
+                self._persisting[key] = left
+            else:
+                self._persisting.pop(key, None)
+        self._write_done(None, None, future)
 
     async def _persist(self, stores: list[StoreTier], executor: Executor, key: bytes,
                        copy: Callable[[], bytes | None], owner: str, source: Any, noted: float) -> bool:

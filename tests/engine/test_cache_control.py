@@ -5,7 +5,9 @@ the cold run's exact tokens after every change."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -117,6 +119,46 @@ def test_delete_drops_a_prefix_in_every_tier_and_the_next_request_recomputes(tin
         core.check_invariants()
         core.chain.store.check_invariants()
     finally:
+        core.close()
+
+
+def test_a_delete_also_catches_the_background_writes_in_flight(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """persist = "behind": blocks being written in the background when a delete of their prompt
+    comes land on disk after it; the delete waits for them and deletes them there too."""
+    core = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv"), disk_persist="behind")
+    store = core.chain.store
+    gate = threading.Event()
+    original = store.write
+
+    held_keys: list[bytes] = []
+
+    async def held(key: bytes, *args: Any, **kwargs: Any) -> Any:  # every disk write waits for the gate
+        held_keys.append(key)  # its bytes are copied by now
+        while not gate.is_set():
+            await asyncio.sleep(0.005)
+        return await original(key, *args, **kwargs)
+
+    store.write = held
+    try:
+        a = prompt(5)
+        run(core, "a1", a)
+        deadline = time.monotonic() + 20
+        while not held_keys:  # the background writes start between steps, copy, then wait
+            assert time.monotonic() < deadline, "no background write reached the disk tier"
+            core.poll_loads()
+            time.sleep(0.005)
+        in_flight = set(held_keys)
+        threading.Timer(0.3, gate.set).start()  # they land while the delete waits for them
+        gone = control(core, "delete", a)
+        # on disk only after the delete's first pass: what it dropped there, it dropped once they landed
+        assert gone["dropped_blocks"]["device"] == 30 and gone["dropped_blocks"]["disk"] >= 1
+        assert core.chain.drain_writes(timeout_s=20) and not core.chain._persisting
+        assert control(core, "lookup", a)["blocks"] == {"device": 0, "host": 0, "disk": 0}
+        hashes, _ = core.control._hashes(CacheCommand("lookup", "acme", SALTS["acme"], tuple(a)))
+        assert in_flight & set(hashes) and not any(key in store for key in hashes)  # (a decode-filled block stays)
+        store.check_invariants()
+    finally:
+        gate.set()
         core.close()
 
 
