@@ -248,7 +248,7 @@ inline void score_group_dot(const bf16* const* q, int group, const bf16* base, c
         acc[slot16(k)] = a;
       }
       const __m512 r = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
-      _mm512_mask_storeu_ps(rows[b] + t, static_cast<__mmask16>((1u << keys) - 1u), r);
+      _mm512_mask_storeu_ps(rows[b] + t, kvgate::first_lanes(keys), r);
     }
   }
 }
@@ -263,9 +263,8 @@ inline void weigh_group_dot(const float* const* p, int group, const bf16* base, 
     uint32_t* pb = pairs.data() + b * stride;
     for (int64_t t = 0; t < n; t += 32) {  // 32 weights -> 16 pairs (an odd last key pairs with 0)
       const int64_t m = std::min<int64_t>(32, n - t);
-      const auto first = [](int64_t k) { return static_cast<__mmask16>(k >= 16 ? 0xffffu : (1u << k) - 1u); };
-      const __m512 lo = _mm512_maskz_loadu_ps(first(m), p[b] + t);
-      const __m512 hi = m > 16 ? _mm512_maskz_loadu_ps(first(m - 16), p[b] + t + 16) : _mm512_setzero_ps();
+      const __m512 lo = _mm512_maskz_loadu_ps(kvgate::first_lanes(m), p[b] + t);
+      const __m512 hi = m > 16 ? _mm512_maskz_loadu_ps(kvgate::first_lanes(m - 16), p[b] + t + 16) : _mm512_setzero_ps();
       // cvtne2ps_pbh(hi, lo): lo's 16 weights in the low half, in key order: pairs as they come
       _mm512_storeu_si512(pb + t / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
     }

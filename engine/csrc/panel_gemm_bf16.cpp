@@ -129,20 +129,18 @@ inline void store_bf16(bf16* p, __m512 v, __mmask16 mask) {
   _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-inline __mmask16 first(int64_t n) { return n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1); }
-
 // One row's outputs of a panel from its two accumulators: 32 plain outputs (`lo` the first 16),
 // or 16 gated ones (`lo` the gates, `hi` the ups); `cols` of them valid.
 template <Out out>
 inline void write_row(__m512 lo, __m512 hi, const bf16* bias, const bf16* bias_up, bf16* y, bf16* y_up,
                       int64_t cols) {
   if (out == Out::kPlain) {
-    const __mmask16 m0 = first(cols), m1 = first(cols - 16);
+    const __mmask16 m0 = kvgate::first_lanes(cols), m1 = kvgate::first_lanes(cols - 16);
     store_bf16(y, _mm512_add_ps(lo, load_bf16(bias, m0)), m0);
     if (cols > 16) store_bf16(y + 16, _mm512_add_ps(hi, load_bf16(bias ? bias + 16 : nullptr, m1)), m1);
     return;
   }
-  const __mmask16 m = first(cols);
+  const __mmask16 m = kvgate::first_lanes(cols);
   const __m512 gate = rounded(_mm512_add_ps(lo, load_bf16(bias, m)));
   const __m512 up = rounded(_mm512_add_ps(hi, load_bf16(bias_up, m)));
   if (out == Out::kSplit) {

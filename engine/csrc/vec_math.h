@@ -121,4 +121,10 @@ inline void storew(float* p, f32xw v) { std::memcpy(p, &v, sizeof v); }
 // (~3 % of a 64-row attention chunk's time)
 inline f32xw splatw(float x) { return x - f32xw{}; }
 
+// An AVX-512 mask (__mmask16) of the first n of 16 lanes: all for n >= 16, none for n <= 0 (a
+// tail's masked loads and stores; a shift by a negative count would be undefined).
+inline uint16_t first_lanes(int64_t n) {
+  return n >= 16 ? 0xffffu : n <= 0 ? 0u : static_cast<uint16_t>((1u << n) - 1u);
+}
+
 }  // namespace kvgate

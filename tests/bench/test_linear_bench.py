@@ -1,5 +1,6 @@
 """bench.linear_bench on tiny shapes: every backend gives every figure, the shares are the
-figures over the peaks measured in the same run, and bad options get a clear error."""
+figures over the peaks measured in the same run, the process is set up as the engine's, and bad
+options get a clear error."""
 
 from __future__ import annotations
 
@@ -10,17 +11,22 @@ import pytest
 
 from bench import linear_bench
 from engine import kernels
+from engine.heap import keep_heap_memory
 
 TINY = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--q-heads", "2", "--kv-heads", "1",
         "--head-dim", "32", "--vocab", "256", "--decode-rows", "1,4", "--prefill-rows", "96", "--repeats", "1"]
 
 
 @pytest.mark.slow  # the peaks read 1 GiB of memory several times
-def test_every_backend_reports_every_figure(tmp_path: Path, capsys) -> None:
+def test_every_backend_reports_every_figure(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)  # main sets it, as `kvgate` does
     assert linear_bench.main([*TINY, "--json-out", str(tmp_path / "l.json"), "--plot-out", str(tmp_path / "l.png")]) == 0
     out = json.loads((tmp_path / "l.json").read_text())
     expected = ["panel", "onednn", "mkl"] if kernels.load() is not None else ["onednn", "mkl"]
     assert list(out["decode"]) == expected and list(out["prefill"]) == expected
+    # measured as the engine runs: huge pages asked for, freed activations kept mapped
+    assert out["machine"]["thp_mem_alloc"] == "1"
+    assert out["machine"]["heap_kept"] == keep_heap_memory()
     peaks = out["peaks"]
     assert peaks["read_gb_s"] > 0 and peaks["mkl_sgemm_2048_gflop_s"] > 0
     params = 2 * ((2 + 2 * 1) * 32 * 64 + 64 * 64 + 2 * 128 * 64 + 64 * 128)
