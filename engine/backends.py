@@ -22,6 +22,7 @@ import queue
 import signal
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -118,9 +119,9 @@ class ProcessBackend:
 
     def start(self, on_event: OnEvent) -> EngineInfo:
         """Spawn the engine process, wait until its model is loaded, start the event reader."""
-        from engine.model import load_tokenizer, resolve_model_path
+        from engine.model_source import load_tokenizer, resolve_model_path
 
-        resolve_model_path(self.config.model)  # download/convert here, where progress is shown
+        path = resolve_model_path(self.config.model)  # download/convert here, where progress is shown
         ctx = multiprocessing.get_context("spawn")
         commands_r, commands_w = ctx.Pipe(duplex=False)
         events_r, events_w = ctx.Pipe(duplex=False)
@@ -132,9 +133,14 @@ class ProcessBackend:
         events_w.close()
         self._process, self._commands, self._events, self._closing = process, commands_w, events_r, False
         self.pid = process.pid
+        # the tokenizer (transformers, torch: seconds of imports the first time) loads while the
+        # engine process imports the same and loads the model, on the other core
+        tokenizer: Future[Any] = Future()
+        threading.Thread(target=_fill, args=(tokenizer, load_tokenizer, path), name="kvgate-tokenizer",
+                         daemon=True).start()
         try:
             info = self._handshake(process, events_r)
-            self.tokenizer = load_tokenizer(info.model_path)
+            self.tokenizer = tokenizer.result()
         except BaseException:
             self._kill()
             raise
@@ -209,6 +215,13 @@ class ProcessBackend:
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(5)
         self._process = self._commands = self._events = self._reader = None
+
+
+def _fill(future: Future[Any], fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:
+        future.set_exception(exc)
 
 
 def engine_process_main(config: EngineConfig, commands: Connection, events: Connection, parent_pid: int,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cache.tiers import factory
-from cache.tiers.kv_codec import CODECS
+from cache.tiers.options import CODECS
 from cache.tiers.state import PERSIST_MODES
 
 _DTYPES = ("float32", "bfloat16", "float16")

@@ -29,7 +29,7 @@ from engine.heap import keep_heap_memory
 from engine.kv_events import KVEvents
 from engine.limits import RequestLimits
 from engine.model import LoadedModel, context_limit, load_model, model_fingerprint
-from engine.outputs import GenerateRequest, TokenLogprob
+from engine.outputs import GenerateRequest, SeqOutput, TokenLogprob
 from engine.packing import pack_model
 from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingRow, make_generator
@@ -39,19 +39,6 @@ from engine.telemetry import EngineTelemetry, RequestTiming
 from engine.tiering import Tiering, host_rows
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class SeqOutput:
-    """One new token of one choice, and why the choice ended if it did."""
-
-    request_id: str
-    index: int
-    token_id: int
-    logprob: TokenLogprob | None
-    finish_reason: str | None
-    num_cached_tokens: int = 0
-    cached_by_tier: dict[str, int] | None = None  # on a request's first token: its cached tokens per tier
 
 
 @dataclass(slots=True)

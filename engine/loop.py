@@ -29,11 +29,13 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.core import EngineCore
 from engine.errors import EngineError, InvalidRequestError
 from engine.limits import RequestLimits
+
+if TYPE_CHECKING:  # the core (torch, the model) loads where the loop runs, not where it is started
+    from engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine.model_source import check_local_folder, is_path_like
+from engine.model_source import check_local_folder, is_path_like, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -51,19 +51,6 @@ class LoadedModel:
     def kv_shape(self) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads, head_dim): the per-token KV layout."""
         return (self.num_layers, self.num_kv_heads, self.head_dim)
-
-
-def resolve_model_path(model: str) -> str:
-    """Map the aliases `tiny`, `small` and `default` to local folders; return anything else as is."""
-    if model in ("tiny", "small"):
-        from engine.tiny_model import tiny_model_dir
-
-        return str(tiny_model_dir(size=model))
-    if model == "default":
-        from engine.default_model import ensure_default_model
-
-        return str(ensure_default_model())
-    return model
 
 
 def resolve_device(device: str) -> torch.device:
@@ -123,13 +110,6 @@ def context_limit(hf_config: Any, max_model_len: int) -> int:
                        "whole context, so max_model_len is capped at the window", window)
         limit = int(window)
     return limit
-
-
-def load_tokenizer(path: str) -> Any:
-    """The tokenizer of a resolved model folder (what the API process needs to detokenize)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 def model_fingerprint(model: Any, dtype: str | torch.dtype, block_size: int,

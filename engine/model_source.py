@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 ALIASES = ("tiny", "small", "default")
 HUB_PROBE_TIMEOUT_S = 5.0
@@ -104,6 +105,27 @@ def _check_hub_id(repo_id: str) -> str | None:
             f"local Hugging Face cache; connect to the internet, set HF_ENDPOINT to a mirror, or "
             f"{_WHAT_TO_PASS}") from None
     return None
+
+
+def resolve_model_path(model: str) -> str:
+    """Map the aliases `tiny`, `small` and `default` to local folders; return anything else as is."""
+    if model in ("tiny", "small"):
+        from engine.tiny_model import tiny_model_dir
+
+        return str(tiny_model_dir(size=model))
+    if model == "default":
+        from engine.default_model import ensure_default_model
+
+        return str(ensure_default_model())
+    return model
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a resolved model folder (what the API process needs to tokenize and
+    detokenize). transformers, and with it torch, is imported here, on first use."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def go_offline() -> None:

@@ -42,6 +42,20 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
+class SeqOutput:
+    """One new token of one choice, and why the choice ended if it did: what a step emits, sent
+    from the engine process to the API process (so it lives here, beside no torch)."""
+
+    request_id: str
+    index: int
+    token_id: int
+    logprob: TokenLogprob | None
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    cached_by_tier: dict[str, int] | None = None  # on a request's first token: its cached tokens per tier
+
+
+@dataclass(slots=True)
 class CompletionDelta:
     """New output of one choice (index < n) since the previous yield."""
 

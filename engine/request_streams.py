@@ -13,9 +13,15 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core import SeqOutput
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionDelta, GenerateRequest, RequestMetrics, RequestOutput, TokenLogprob
+from engine.outputs import (
+    CompletionDelta,
+    GenerateRequest,
+    RequestMetrics,
+    RequestOutput,
+    SeqOutput,
+    TokenLogprob,
+)
 
 
 @dataclass(slots=True)

@@ -112,6 +112,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _tokenizer(model: str) -> Any:
-    from engine.model import load_tokenizer, resolve_model_path
+    from engine.model_source import load_tokenizer, resolve_model_path
 
     return load_tokenizer(resolve_model_path(model))

@@ -20,11 +20,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from cache.telemetry import BlockLife
-from cache.tiers.codec import BlockFormat
 from cache.tiers.stats import RateEstimate, TierStats
+
+if TYPE_CHECKING:
+    from cache.tiers.codec import BlockFormat
 
 Role = Literal["memory", "store", "shared"]
 Lifetime = Literal["session", "persistent"]

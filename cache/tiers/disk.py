@@ -38,6 +38,7 @@ from cache.tiers.base import TierTraits
 from cache.tiers.codec import HEADER_SIZE, BlockFormat, CorruptBlockError, UndecodableBlockError
 from cache.tiers.disk_files import SUFFIX, Loaded, read_files, temp_path, unlink, write_record_async
 from cache.tiers.disk_index import DiskIndex
+from cache.tiers.options import LOAD_TIMEOUT_S
 from cache.tiers.readers import ReaderPool, ReadersStalled
 from cache.tiers.stats import RateEstimate
 
@@ -45,7 +46,6 @@ __all__ = ["LOAD_TIMEOUT_S", "SUFFIX", "DiskTier"]
 
 logger = logging.getLogger(__name__)
 
-LOAD_TIMEOUT_S = 0.5  # default deadline of one read batch (`[cache.disk] load_timeout_s`)
 STALL_LOG_EVERY_S = 60.0  # at most one warning per this long about loads past the deadline
 
 

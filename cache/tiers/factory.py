@@ -7,24 +7,30 @@ the API process runs before an attach (`preflight`, e.g. whether a store answers
 step loop never waits on the network for it. `register` adds a kind (tests add one of their own;
 nothing else in the project needs to change for it to appear in the chain, the archetype,
 `/admin/metrics` and Prometheus).
+
+The built-in kinds' options live in cache/tiers/options.py and their implementations are imported
+by the builders, in the engine process: validating options (the configuration loader, the API
+process) imports neither torch nor a tier.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
-import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ValidationError
 
-from cache.tiers.base import Tier
-from cache.tiers.codec import BlockFormat
-from cache.tiers.disk import LOAD_TIMEOUT_S, DiskTier
-from cache.tiers.folders import attachable_folder
-from cache.tiers.host import HostTier
-from cache.tiers.kv_codec import CODECS
-from cache.tiers.remote import RemoteTier, reach_store, safe_url
+from cache.tiers.options import DiskOptions, HostOptions, RemoteOptions, reach_store, safe_url
+
+if TYPE_CHECKING:
+    import torch
+
+    from cache.tiers.base import Tier
+    from cache.tiers.codec import BlockFormat
+    from cache.tiers.disk import DiskTier
+    from cache.tiers.host import HostTier
+    from cache.tiers.remote import RemoteTier
 
 
 class RowBank:
@@ -66,47 +72,9 @@ class BuildContext:
     trusted: bool = True  # False: the options came over HTTP
 
 
-class _Options(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-# how a store encodes the blocks it writes (cache/tiers/kv_codec.py); the host tier has none: it
-# shares its rows with the device pool
-Codec = Literal["none", "bf16", "fp16", "int8"]
-assert CODECS == Codec.__args__  # type: ignore[attr-defined]
-
-
-class HostOptions(_Options):
-    capacity_mb: int = Field(gt=0)
-
-
-class DiskOptions(_Options):
-    path: str = Field(min_length=1)
-    capacity_mb: int = Field(default=10240, gt=0)
-    load_timeout_s: float = Field(default=LOAD_TIMEOUT_S, gt=0)
-    codec: Codec = "none"
-
-
-class RemoteOptions(_Options):
-    url: str
-    cluster: bool = False
-    ttl_s: int = Field(default=86400, gt=0)
-    write: Literal["through", "back", "selective"] = "through"
-    timeout_s: float = Field(default=0.5, gt=0)
-    codec: Codec = "none"
-    # the deployment's store key (cache.tiers.store_mac): from the engine's configuration only,
-    # never from a request (not in `http_fields`), never shown
-    mac_key: bytes | None = Field(default=None, repr=False, exclude=True)
-
-    @field_validator("url")
-    @classmethod
-    def _redis_url(cls, url: str) -> str:
-        if not url.startswith(("redis://", "rediss://")):
-            raise ValueError(f"the remote tier needs a url starting with redis:// or rediss://, got {url!r}")
-        return url
-
-
 def _host(options: HostOptions, ctx: BuildContext) -> HostTier:
+    from cache.tiers.host import HostTier
+
     capacity = options.capacity_mb << 20
     taken = ctx.rows.take(capacity // ctx.block_nbytes) if ctx.rows is not None else None
     if taken is not None:  # room in the pool's own tensor: trade rows, copy nothing
@@ -115,12 +83,17 @@ def _host(options: HostOptions, ctx: BuildContext) -> HostTier:
 
 
 def _disk(options: DiskOptions, ctx: BuildContext) -> DiskTier:
+    from cache.tiers.disk import DiskTier
+    from cache.tiers.folders import attachable_folder
+
     path = options.path if ctx.trusted else str(attachable_folder(options.path, ctx.allowed_root))
     return DiskTier(path, options.capacity_mb << 20, ctx.fmt, ctx.policy, load_timeout_s=options.load_timeout_s,
                     codec=options.codec)
 
 
 def _remote(options: RemoteOptions, ctx: BuildContext) -> RemoteTier:
+    from cache.tiers.remote import RemoteTier
+
     if options.mac_key is None:
         raise ValueError("the remote tier needs the store's MAC key (mac_key: tenants.registry.store_mac_key "
                          "of the server secret, the same on every replica)")

@@ -26,7 +26,8 @@ from collections.abc import Iterator
 import numpy
 import torch
 
-CODECS = ("none", "bf16", "fp16", "int8")  # a codec's index is its id in the record header
+from cache.tiers.options import CODECS
+
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _FP16_MAX = 65504.0

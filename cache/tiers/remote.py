@@ -40,6 +40,7 @@ from cache.tiers.codec import (
     encode_record,
 )
 from cache.tiers.kv_codec import check_codec
+from cache.tiers.options import safe_url
 from cache.tiers.resp import GetPipe, RespError, SetPipe, endpoint
 from cache.tiers.stats import RateEstimate, TierStats
 from cache.tiers.store_mac import MAC_NAME, SEAL_SIZE, StoreMac, UnauthenticBlockError
@@ -459,38 +460,3 @@ async def encode_records(fmt: BlockFormat, codec: str, chunk: Sequence[tuple[byt
         return [sealed(k, *encode_record(fmt, k, p, codec)) for k, p in chunk]
 
     return await asyncio.get_running_loop().run_in_executor(executor, encode_all)
-
-
-def safe_url(url: str) -> str:
-    """``url`` without its password (never logged or shown)."""
-    if "@" in url:
-        scheme, rest = url.split("://", 1)
-        url = f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url
-
-
-async def reach_store(url: str, cluster: bool = False, timeout_s: float = 2.0) -> str | None:
-    """None if the store at ``url`` answers a PING within ``timeout_s``, else why not (a line).
-    An attach asks this first, from the API process, so that a store nobody listens at is
-    refused instead of attached, and the step loop never waits on the network for it."""
-    kwargs: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-    client: Any = None
-    try:
-        if cluster:
-            from redis.asyncio.cluster import RedisCluster
-
-            client = RedisCluster.from_url(url, **kwargs)
-        else:
-            from redis.asyncio import Redis
-
-            client = Redis.from_url(url, **kwargs)
-        await asyncio.wait_for(client.ping(), timeout_s)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (no answer in {timeout_s:g} s)"
-    finally:
-        if client is not None:
-            try:
-                await client.aclose()
-            except Exception:  # a half-open connection may fail to close; it is dropped either way
-                pass
-    return None

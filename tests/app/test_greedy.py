@@ -14,7 +14,7 @@ def hf(kvgate_env):
     """The tiny model and tokenizer, loaded with plain transformers from the servers' cache."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.model import resolve_model_path
+    from engine.model_source import resolve_model_path
 
     path = resolve_model_path("tiny")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -62,7 +62,7 @@ def test_a_bfloat16_server_matches_generate_in_bfloat16(start_app) -> None:
     they are built); greedy text equals transformers' bfloat16 generate."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.model import resolve_model_path
+    from engine.model_source import resolve_model_path
 
     server = start_app("--model", "tiny", "--dtype", "bfloat16")
     path = resolve_model_path("tiny")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from engine.core import EngineCore, SeqOutput
+from engine.core import EngineCore
+from engine.outputs import SeqOutput
 
 
 def outputs(core: EngineCore) -> Iterator[SeqOutput]:

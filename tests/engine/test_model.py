@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
 
 from engine import tiny_model
-from engine.model import load_model, model_fingerprint, resolve_model_path
+from engine.model import load_model, model_fingerprint
+from engine.model_source import resolve_model_path
 
 MODEL_FILES = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json",
                "generation_config.json", "chat_template.jinja")

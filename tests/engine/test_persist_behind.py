@@ -74,10 +74,10 @@ def test_a_prefix_whose_disk_writes_are_in_flight_is_served_whole(tiny_model_dir
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Within one life: a prefix pushed out of host while the disk's writes are stalled is found
     (recalled from the writes' buffers), not recomputed from its first missing block on."""
-    import cache.tiers.factory
+    import cache.tiers.disk
     from tests.cache.test_chain_no_loss import SlowDisk
 
-    monkeypatch.setattr(cache.tiers.factory, "DiskTier", SlowDisk)
+    monkeypatch.setattr(cache.tiers.disk, "DiskTier", SlowDisk)  # what the factory's disk builder imports
     core = make_engine(tiny_model_dir, disk_cache_path=str(tmp_path / "kv"), share_host_slab=False,
                        host_cache_mb=1)
     try:
