@@ -15,6 +15,7 @@ parent-death signal), so a killed server leaves no orphan.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
@@ -32,6 +33,7 @@ from engine.loop import Command, EngineInfo, EngineLoop, engine_info
 logger = logging.getLogger(__name__)
 
 OnEvent = Callable[[tuple[Any, ...]], None]
+EXIT_CLOSE_S = 10.0  # how long an interpreter's exit waits for an engine process left open to stop
 
 
 class EngineStartError(RuntimeError):
@@ -133,6 +135,10 @@ class ProcessBackend:
         events_w.close()
         self._process, self._commands, self._events, self._closing = process, commands_w, events_r, False
         self.pid = process.pid
+        # an interpreter that exits with this backend open would hang: multiprocessing's own exit
+        # hook sends the engine SIGTERM, which it turns into a drain request, and joins it forever.
+        # Closing first (registered later, so run before that hook) flushes and stops it instead.
+        atexit.register(self.close, EXIT_CLOSE_S)
         # the tokenizer (transformers, torch: seconds of imports the first time) loads while the
         # engine process imports the same and loads the model, on the other core
         tokenizer: Future[Any] = Future()
@@ -203,6 +209,7 @@ class ProcessBackend:
         self._kill()
 
     def _kill(self) -> None:
+        atexit.unregister(self.close)
         self._closing = True
         process = self._process
         if process is not None:
