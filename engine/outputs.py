@@ -44,7 +44,7 @@ class TokenLogprob:
 @dataclass(slots=True)
 class SeqOutput:
     """One new token of one choice, and why the choice ended if it did: what a step emits, sent
-    from the engine process to the API process (so it lives here, beside no torch)."""
+    from the engine process to the API process (so it lives here, in a module without torch)."""
 
     request_id: str
     index: int
