@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine.model_source import check_local_folder, is_path_like, resolve_model_path
+from engine.model_source import check_local_folder, is_path_like, load_tokenizer, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def resolve_device(device: str) -> torch.device:
 
 def load_model(model: str, dtype: str = "float32", device: str = "auto") -> LoadedModel:
     """Load weights and tokenizer from a folder, hub id or alias, checking the architecture first."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -87,7 +87,7 @@ def load_model(model: str, dtype: str = "float32", device: str = "auto") -> Load
     logger.info("loading weights path=%s dtype=%s device=%s", path, dtype, torch_device)
     hf_model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     hf_model.to(torch_device).eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     num_heads = config.num_attention_heads
     return LoadedModel(
         model=hf_model, tokenizer=tokenizer, config=hf_model.config, path=path,

@@ -42,7 +42,7 @@ from cache.tiers.options import LOAD_TIMEOUT_S
 from cache.tiers.readers import ReaderPool, ReadersStalled
 from cache.tiers.stats import RateEstimate
 
-__all__ = ["LOAD_TIMEOUT_S", "SUFFIX", "DiskTier"]
+__all__ = ["SUFFIX", "DiskTier"]
 
 logger = logging.getLogger(__name__)
 
