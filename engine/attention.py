@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, AttentionMaskInterface
 
 from cache.kv_storage import KVStorage
 
@@ -166,7 +165,10 @@ def _no_mask(*args: object, **kwargs: object) -> None:
 
 
 def register() -> str:
-    """Register the kernel with transformers (idempotent); returns the implementation name."""
+    """Register the kernel with transformers (idempotent); returns the implementation name.
+    Imported here: a model loaded by engine.direct_model never runs transformers' modules."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
     return ATTN_IMPLEMENTATION

@@ -67,7 +67,7 @@ class EngineCore:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.loaded = loaded or load_model(config.model, config.dtype, config.device)
+        self.loaded = loaded or load_model(config.model, config.dtype, config.device, direct=config.fast_decoder)
         hf_config = self.loaded.config
         self.max_model_len = context_limit(hf_config, config.max_model_len)
         self.vocab_size = int(hf_config.vocab_size)

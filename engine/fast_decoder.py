@@ -33,9 +33,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import rotate_half
 
 from engine.attention import AttentionMetadata, attend, write_kv
+from engine.direct_model import rotate_half
 from engine.kernels import NativeOps
 from engine.packing import FusedGateUpMLP, PackedLinear
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import rotate_half
+
+from engine.direct_model import rotate_half
 
 _RTOL = _ATOL = 1e-4  # what tests/engine/test_fast_decoder.py allows the whole decoder
 

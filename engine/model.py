@@ -27,16 +27,25 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _ALIAS_NAMES = {"tiny": "tiny", "small": "small", "default": "SmolLM2-135M-Instruct"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-_VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype", "name_or_path"})
+# The config fields that decide a layer's KV beside the weights (whose names, shapes and values
+# the fingerprint reads too) and the KV shape, read as attributes: a transformers config and an
+# engine.direct_model one give the same values for the same folder.
+_ARCHITECTURE_FIELDS = (
+    "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "hidden_act", "rms_norm_eps", "vocab_size", "max_position_embeddings",
+    "tie_word_embeddings", "sliding_window", "rope_parameters",
+)
 _EDGE_ELEMENTS = 256
 
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A model ready for inference (eval mode, no grad) plus the shapes the KV cache needs."""
+    """A model ready for inference (eval mode, no grad) plus the shapes the KV cache needs.
+
+    ``tokenizer`` is loaded on first use where the loader did not need it (`load_direct`: an
+    engine process never uses it, the API process loads its own)."""
 
     model: Any
-    tokenizer: Any
     config: Any
     path: str
     name: str
@@ -46,6 +55,14 @@ class LoadedModel:
     num_kv_heads: int
     head_dim: int
     eos_token_ids: list[int]
+    loaded_tokenizer: Any = None
+    direct: bool = False  # loaded by engine.direct_model, not transformers
+
+    @property
+    def tokenizer(self) -> Any:
+        if self.loaded_tokenizer is None:
+            self.loaded_tokenizer = load_tokenizer(self.path)
+        return self.loaded_tokenizer
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -66,15 +83,50 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def load_model(model: str, dtype: str = "float32", device: str = "auto") -> LoadedModel:
-    """Load weights and tokenizer from a folder, hub id or alias, checking the architecture first."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def load_model(model: str, dtype: str = "float32", device: str = "auto", direct: bool = False) -> LoadedModel:
+    """Load weights and tokenizer from a folder, hub id or alias, checking the architecture first.
 
+    ``direct``: where `engine.direct_model` can load the folder (a Llama-family model in
+    safetensors), load it so, without transformers' model classes, for `FastDecoder` to run
+    (the tokenizer then on first use); anything else loads with transformers."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     torch_dtype, torch_device = DTYPES[dtype], resolve_device(device)
     path = resolve_model_path(model)
     _check_location(path)
+    if direct:
+        from engine import direct_model
+
+        reason = direct_model.direct_unsupported(path)
+        if reason is None:
+            try:
+                return _load_direct(model, path, torch_dtype, torch_device)
+            except ValueError as exc:  # weights that do not fit the config: transformers says what it makes of them
+                reason = str(exc)
+        logger.info("loading with transformers: %s", reason)
+    return _load_transformers(model, path, torch_dtype, torch_device)
+
+
+def _load_direct(model: str, path: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    from engine import direct_model
+
+    logger.info("loading weights path=%s dtype=%s device=%s (direct)", path, dtype, device)
+    direct = direct_model.load_direct(path, dtype, device)
+    config = direct.config
+    eos = direct_model.eos_token_ids(path, config)
+    tokenizer = None
+    if eos is None:  # the folder's files do not say: ask the tokenizer, as transformers' path does
+        tokenizer = load_tokenizer(path)
+        eos = _eos_token_ids(direct, tokenizer)
+    return LoadedModel(
+        model=direct, config=config, path=path, name=_served_name(model, path), device=device, dtype=dtype,
+        num_layers=int(config.num_hidden_layers), num_kv_heads=int(config.num_key_value_heads),
+        head_dim=int(config.head_dim), eos_token_ids=eos, loaded_tokenizer=tokenizer, direct=True)
+
+
+def _load_transformers(model: str, path: str, torch_dtype: torch.dtype, torch_device: torch.device) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
@@ -84,13 +136,13 @@ def load_model(model: str, dtype: str = "float32", device: str = "auto") -> Load
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model {path!r} has model_type {config.model_type!r}; KVGate serves only "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)} models (e.g. 'default' or 'tiny')")
-    logger.info("loading weights path=%s dtype=%s device=%s", path, dtype, torch_device)
+    logger.info("loading weights path=%s dtype=%s device=%s", path, torch_dtype, torch_device)
     hf_model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     hf_model.to(torch_device).eval().requires_grad_(False)
     tokenizer = load_tokenizer(path)
     num_heads = config.num_attention_heads
     return LoadedModel(
-        model=hf_model, tokenizer=tokenizer, config=hf_model.config, path=path,
+        model=hf_model, loaded_tokenizer=tokenizer, config=hf_model.config, path=path,
         name=_served_name(model, path), device=torch_device, dtype=torch_dtype,
         num_layers=config.num_hidden_layers,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
@@ -114,15 +166,15 @@ def context_limit(hf_config: Any, max_model_len: int) -> int:
 
 def model_fingerprint(model: Any, dtype: str | torch.dtype, block_size: int,
                       kv_shape: tuple[int, int, int]) -> bytes:
-    """32-byte blake2b of config, a cheap weights identity, dtype, block size and KV shape.
+    """32-byte blake2b of the config's architecture fields, a cheap weights identity, dtype, block
+    size and KV shape.
 
     The weights identity hashes each parameter's name, shape, dtype and its first and last 256
     values, so copies of the same weights agree and different initialisations do not. The
     model's path never enters the digest.
     """
     digest = hashlib.blake2b(digest_size=32, person=b"kvgate-model")
-    config = {k: v for k, v in model.config.to_dict().items()
-              if k not in _VOLATILE_CONFIG_KEYS and not k.startswith("_")}
+    config = {name: _plain(getattr(model.config, name, None)) for name in _ARCHITECTURE_FIELDS}
     _update(digest, b"config", json.dumps(config, sort_keys=True, default=str).encode())
     for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
         flat = param.detach().reshape(-1)
@@ -133,6 +185,19 @@ def model_fingerprint(model: Any, dtype: str | torch.dtype, block_size: int,
     layout = f"{dtype_name}|{int(block_size)}|{tuple(int(x) for x in kv_shape)}".encode()
     _update(digest, b"layout", layout)
     return digest.digest()
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every number a float (a config may spell 10000 or 10000.0) and dicts sorted."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in sorted(value.items())}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value)
 
 
 def _update(digest: Any, *parts: bytes) -> None:

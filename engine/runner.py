@@ -34,11 +34,12 @@ class ModelRunner:
         self.storage = storage
         self.block_size = storage.block_size
         self.device = storage.device
-        impl = attention.register()
-        if hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation(impl)
-        else:  # pragma: no cover - older transformers
-            model.config._attn_implementation = impl
+        transformers_model = hasattr(model, "set_attn_implementation")
+        if transformers_model:
+            model.set_attn_implementation(attention.register())
+        elif not fast_decoder:
+            raise ValueError("a model loaded by engine.direct_model runs only through the fast decoder; "
+                             "load it with transformers (load_model(..., direct=False)) to run its modules")
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.fast: FastDecoder | None = None
