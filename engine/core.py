@@ -30,7 +30,7 @@ from engine.kv_events import KVEvents
 from engine.limits import RequestLimits
 from engine.model import LoadedModel, context_limit, load_model, model_fingerprint
 from engine.outputs import GenerateRequest, SeqOutput, TokenLogprob
-from engine.packing import pack_model
+from engine.packing import pack_model, panel_ops
 from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingRow, make_generator
 from engine.scheduler import ScheduledSeq, Scheduler
@@ -79,8 +79,10 @@ class EngineCore:
             spare_rows=host_rows(config, self.loaded))
         self.fingerprint = model_fingerprint(self.loaded.model, config.dtype, config.block_size,
                                              self.loaded.kv_shape)
-        if config.pack_weights:
-            pack_model(self.loaded.model, self.loaded.device, self.loaded.dtype)
+        if config.pack_weights:  # straight into the panel kernel's layout where this machine has its build
+            built = self._native_ops(config, build=False)[0]
+            pack_model(self.loaded.model, self.loaded.device, self.loaded.dtype,
+                       panels=panel_ops(built, self.loaded.dtype))
         if self.loaded.device.type == "cpu":
             keep_heap_memory()  # activations reuse mapped pages instead of faulting in fresh ones
         self.manager = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -119,10 +121,11 @@ class EngineCore:
         logger.info("engine ready", extra={"model": self.loaded.name, "kv_pool_mb": self.storage.nbytes >> 20,
                                             "num_blocks": config.num_blocks, "block_size": config.block_size})
 
-    def _native_ops(self, config: EngineConfig) -> tuple[Any, Any]:
+    def _native_ops(self, config: EngineConfig, build: bool = True) -> tuple[Any, Any]:
         """The native CPU ops where they apply (CPU, float32 or bfloat16) and this machine has a build; else,
         where one can be made, None and the `engine.kernels.KernelBuild` compiling it in the
-        background, which the step loop switches in once done (engine/loop.py)."""
+        background, which the step loop switches in once done (engine/loop.py). ``build=False``:
+        only a build this machine has, nothing compiled."""
         from engine.model import resolve_device
 
         if not config.native_kernels or config.dtype not in ("float32", "bfloat16") \
@@ -130,7 +133,7 @@ class EngineCore:
             return None, None
         from engine import kernels
 
-        return kernels.load_or_build()
+        return kernels.load_or_build() if build else (kernels.load_built(), None)
 
     # ---- tiers below the device (engine/tiering.py) ------------------------------------------
     @property

@@ -85,8 +85,9 @@ def _fuse(parent: Any, names: tuple[str, ...], gated: bool = False) -> nn.Module
     weight = torch.cat(weights)
     del weights
     fused: nn.Module
-    if all(isinstance(layer, PackedLinear) for layer in layers):
-        fused = PackedLinear(weight, bias, gated=int(layers[0].out_features) if gated else None)
+    if all(isinstance(layer, PackedLinear) for layer in layers):  # in the form the layers are in
+        fused = PackedLinear(weight, bias, gated=int(layers[0].out_features) if gated else None,
+                             panels=layers[0].panel_ops)
     else:
         fused = _PlainLinear(weight, bias)
     start = 0

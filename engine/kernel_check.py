@@ -42,8 +42,14 @@ def first_mismatch(ops: Any) -> str | None:
     return None
 
 
-def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(got, expected, rtol=_RTOL, atol=_ATOL)
+def _close(got: torch.Tensor, expected: torch.Tensor, rtol: float = _RTOL, atol: float = _ATOL) -> None:
+    """assert_close's test (|got - expected| <= atol + rtol * |expected|, same shape and dtype),
+    without `torch.testing`, whose first call imports torch.distributed (~1.5 s of a start)."""
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        raise AssertionError(f"got {got.dtype} {tuple(got.shape)}, expected {expected.dtype} {tuple(expected.shape)}")
+    if not torch.allclose(got, expected, rtol=rtol, atol=atol):
+        worst = float((got.float() - expected.float()).abs().max())
+        raise AssertionError(f"values differ by up to {worst:.3g} (rtol {rtol}, atol {atol})")
 
 
 def _silu_mul(ops: Any, rand: Any) -> None:
@@ -89,12 +95,11 @@ def _panel_linear_bf16(ops: Any, rand: Any) -> None:
         return
     x, weight, bias = rand(19, 24).bfloat16(), rand(37, 24).bfloat16(), rand(37).bfloat16()
     panels = ops.pack_panels_bf16(weight)
-    torch.testing.assert_close(ops.panel_linear_bf16(x, panels, bias, 37), F.linear(x, weight, bias),
-                               rtol=1e-2, atol=1e-2)
+    _close(ops.panel_linear_bf16(x, panels, bias, 37), F.linear(x, weight, bias), rtol=1e-2, atol=1e-2)
     gated = rand(42, 24).bfloat16()
     full = F.linear(x, gated)
-    torch.testing.assert_close(ops.gated_panel_linear_bf16(x, ops.pack_panels_bf16(gated, True), None, 21, True),
-                               F.silu(full[:, :21]) * full[:, 21:], rtol=2e-2, atol=2e-2)
+    _close(ops.gated_panel_linear_bf16(x, ops.pack_panels_bf16(gated, True), None, 21, True),
+           F.silu(full[:, :21]) * full[:, 21:], rtol=2e-2, atol=2e-2)
 
 
 def _fused_bf16(ops: Any, rand: Any) -> None:
@@ -102,7 +107,7 @@ def _fused_bf16(ops: Any, rand: Any) -> None:
     engine.fast_decoder runs without them): equal but for the order of sums, a bfloat16 step."""
     def close(got: torch.Tensor, expected: torch.Tensor) -> None:
         assert got.dtype == torch.bfloat16, got.dtype
-        torch.testing.assert_close(got, expected, rtol=1.6e-2, atol=1e-2)
+        _close(got, expected, rtol=1.6e-2, atol=1e-2)
 
     x, residual, weight = rand(5, 72).bfloat16(), rand(5, 72).bfloat16(), rand(72).bfloat16()
 
@@ -193,7 +198,7 @@ def _bf16_attention(op: Any, rand: Any, blocks: int, tables: list[list[int]], q_
     got = op(q, k_cache, v_cache, table_t, starts, lens, scale, last)
     expected = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), table_t, starts, lens, scale)
     assert got.dtype == torch.bfloat16, got.dtype
-    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+    _close(got.float(), expected, rtol=1e-2, atol=1e-2)
 
 
 def _paged_attention_bf16(ops: Any, rand: Any) -> None:

@@ -130,6 +130,17 @@ def load() -> NativeOps | None:
         return _loaded["ops"]
 
 
+def load_built() -> NativeOps | None:
+    """The native ops where this machine has a build already (loaded and self-checked in this
+    thread, as `load_or_build` does), else None; never starts a compile."""
+    with _lock:
+        if "ops" in _loaded:
+            return _loaded["ops"]
+        if not (build_dir() / _LIBRARY).exists():
+            return None
+    return load_or_build()[0]
+
+
 def load_or_build() -> tuple[NativeOps | None, KernelBuild | None]:
     """For an engine that must not wait for a compiler: ``(ops, None)`` where this machine has a
     build (loaded and self-checked in this thread, milliseconds), ``(None, build)`` while one

@@ -36,6 +36,22 @@ logger = logging.getLogger(__name__)
 _PACK_HINT_ROWS = 16  # oneDNN picks its blocking for this many rows; any row count works
 _DTYPES = (torch.float32, torch.bfloat16)
 
+# (linear, pack, gated) of one dtype's panel kernel: the matmul, the op that lays a weight out in
+# its panels, and the gated matmul (None where there is none)
+PanelOps = tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], Callable[..., torch.Tensor] | None]
+
+
+def panel_ops(native: Any, dtype: torch.dtype) -> PanelOps | None:
+    """The panel kernel that ``native`` (engine.kernels.NativeOps, or None) has for ``dtype``
+    layers: float32 always, bfloat16 where it was built with bfloat16 panels."""
+    if native is None:
+        return None
+    if dtype == torch.float32:
+        return native.panel_linear, native.pack_panels, native.gated_panel_linear
+    if dtype == torch.bfloat16 and native.bf16_panels:
+        return native.panel_linear_bf16, native.pack_panels_bf16, native.gated_panel_linear_bf16
+    return None
+
 
 def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN's layout on this CPU: float32 anywhere oneDNN runs; bfloat16 only where oneDNN has
@@ -100,7 +116,10 @@ class PackedLinear(nn.Module):
     panel: Callable[..., torch.Tensor] | None = None
     gated_panel: Callable[..., torch.Tensor] | None = None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gated: int | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gated: int | None = None,
+                 panels: PanelOps | None = None) -> None:
+        """``panels``: lay the weight out straight in this panel kernel's panels (where it takes
+        the layer), not in oneDNN's layout first."""
         super().__init__()
         self.in_features = int(weight.shape[1])
         self.out_features = int(weight.shape[0])
@@ -110,11 +129,20 @@ class PackedLinear(nn.Module):
         self.plain: torch.Tensor | None
         self.panels: torch.Tensor | None
         self.bias: torch.Tensor | None
-        packed = _onednn_layout(weight)
-        self.register_buffer("packed", packed)
-        self.register_buffer("plain", weight.detach().contiguous() if packed is None else None)
+        self.panel_ops: PanelOps | None = None  # the ops whose panels it holds
+        self.register_buffer("packed", None)
+        self.register_buffer("plain", None)
         self.register_buffer("panels", None)
         self.register_buffer("bias", None if bias is None else bias.detach())
+        if panels is not None and self.takes_panels():
+            self._hold_panels(weight.detach(), panels)
+        else:
+            self.packed = _onednn_layout(weight)
+            self.plain = weight.detach().contiguous() if self.packed is None else None
+
+    def takes_panels(self) -> bool:
+        """The panel kernels take float32 layers, and bfloat16 ones with an even input width."""
+        return self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and self.in_features % 2 == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -168,12 +196,17 @@ class PackedLinear(nn.Module):
         """Hold the weight as the panel kernel's panels (``pack``), multiplied by ``linear`` (and
         ``gated`` for a gated layer's paired panels), instead of oneDNN's layout."""
         if self.panels is None:
-            pair = gated is not None and self.gated is not None
-            weight = self.dense_weight()
-            self.panels = pack(weight, True) if pair else pack(weight)
-            self.gated_panel = gated if pair else None
-            self.packed = self.plain = None
+            self._hold_panels(self.dense_weight(), (linear, pack, gated))
         self.panel = linear
+        self.panel_ops = (linear, pack, gated)
+
+    def _hold_panels(self, weight: torch.Tensor, ops: PanelOps) -> None:
+        linear, pack, gated = ops
+        pair = gated is not None and self.gated is not None
+        self.panels = pack(weight, True) if pair else pack(weight)
+        self.panel, self.gated_panel = linear, gated if pair else None
+        self.packed = self.plain = None
+        self.panel_ops = ops
 
     def to_onednn(self) -> None:
         """Hold the weight in oneDNN's layout again, or as it is where oneDNN has none for the
@@ -183,7 +216,7 @@ class PackedLinear(nn.Module):
             self.packed = _onednn_layout(weight)
             self.plain = weight if self.packed is None else None
             self.panels = None
-        self.panel = self.gated_panel = None
+        self.panel = self.gated_panel = self.panel_ops = None
 
 
 class TiedEmbedding(nn.Module):
@@ -214,15 +247,16 @@ class TiedEmbedding(nn.Module):
 class FusedGateUpMLP(nn.Module):
     """A gated MLP (Llama/Qwen2/Mistral): ``down(act(gate(x)) * up(x))`` with gate|up in one matmul."""
 
-    def __init__(self, mlp: Any) -> None:
+    def __init__(self, mlp: Any, panels: PanelOps | None = None) -> None:
         super().__init__()
         self.intermediate = int(mlp.gate_proj.weight.shape[0])
         weight = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
         bias = None
         if mlp.gate_proj.bias is not None:
             bias = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
-        self.gate_up = PackedLinear(weight, bias, gated=self.intermediate)
-        self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias)
+        self.gate_up = PackedLinear(weight, bias, gated=self.intermediate, panels=panels)
+        del weight
+        self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, panels=panels)
         self.act_fn = mlp.act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -240,8 +274,10 @@ def _agrees(original: nn.Module, packed: nn.Module, in_features: int, dtype: tor
     return bool(torch.allclose(expected, got, rtol=tol, atol=tol * scale))
 
 
-def pack_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """Replace the model's linear layers (and gated MLPs) by packed ones; returns how many. The
+def pack_model(model: nn.Module, device: torch.device, dtype: torch.dtype, panels: PanelOps | None = None) -> int:
+    """Replace the model's linear layers (and gated MLPs) by packed ones; returns how many.
+    ``panels`` (`panel_ops`): lay the weights out in that panel kernel's panels at once, rather
+    than in oneDNN's layout for `use_panel_kernel` to repack later. The
     replaced layers' own weights are released; a tied output head's table stays with the input
     embedding (`TiedEmbedding`) until the head holds panels. What stays of the model (embedding,
     norms, biases) is copied out of the weights file's memory map, so that the map goes: the
@@ -249,7 +285,7 @@ def pack_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> in
     if not packing_supported(device, dtype):
         return 0
     embedding, head = _tied_pair(model)
-    replaced = _pack_children(model, dtype)
+    replaced = _pack_children(model, dtype, panels)
     packed_head = _get(model, "get_output_embeddings")
     if embedding is not None and head is not packed_head and isinstance(packed_head, PackedLinear):
         model.set_input_embeddings(TiedEmbedding(packed_head, embedding.weight))  # type: ignore[operator]
@@ -289,8 +325,6 @@ def _own_memory(model: nn.Module) -> None:
                 module._buffers[name] = buffer.clone()
 
 
-PanelOps = tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], Callable[..., torch.Tensor] | None]
-
 
 def use_panel_kernel(modules: Iterable[nn.Module], linear: Callable[..., torch.Tensor] | None,
                      pack: Callable[..., torch.Tensor] | None = None,
@@ -319,7 +353,7 @@ def use_panel_kernel(modules: Iterable[nn.Module], linear: Callable[..., torch.T
         if module.dtype == torch.float32:
             assert pack is not None
             module.to_panels(linear, pack, gated)
-        elif module.dtype == torch.bfloat16 and bf16 is not None and module.in_features % 2 == 0:
+        elif module.dtype == torch.bfloat16 and bf16 is not None and module.takes_panels():
             module.to_panels(*bf16)
         else:
             continue
@@ -330,18 +364,18 @@ def use_panel_kernel(modules: Iterable[nn.Module], linear: Callable[..., torch.T
     return len(done)
 
 
-def _pack_children(parent: nn.Module, dtype: torch.dtype) -> int:
+def _pack_children(parent: nn.Module, dtype: torch.dtype, panels: PanelOps | None) -> int:
     replaced = 0
     for name, child in list(parent.named_children()):
         new: nn.Module | None = None
         if hasattr(child, "act_fn") and all(isinstance(getattr(child, n, None), nn.Linear)
                                             for n in ("gate_proj", "up_proj", "down_proj")):
             mlp: Any = child
-            new, width = FusedGateUpMLP(mlp), int(mlp.gate_proj.weight.shape[1])
+            new, width = FusedGateUpMLP(mlp, panels), int(mlp.gate_proj.weight.shape[1])
         elif type(child) is nn.Linear:
-            new, width = PackedLinear(child.weight, child.bias), child.in_features
+            new, width = PackedLinear(child.weight, child.bias, panels=panels), child.in_features
         if new is None:
-            replaced += _pack_children(child, dtype)
+            replaced += _pack_children(child, dtype, panels)
         elif _agrees(child, new, width, dtype):
             setattr(parent, name, new)
             replaced += 1

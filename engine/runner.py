@@ -16,7 +16,7 @@ from engine import attention
 from engine.attention import CHUNK_MAX_CONTEXT, KERNEL_MAX_ROWS, AttentionMetadata, PagedRows, PrefillSpan
 from engine.fast_decoder import FastDecoder
 from engine.kernels import NativeOps
-from engine.packing import use_panel_kernel
+from engine.packing import panel_ops, use_panel_kernel
 
 
 class ModelRunner:
@@ -65,9 +65,9 @@ class ModelRunner:
         if self.fast is not None:
             self.fast.use_native(native)
         if native is not None:
-            bf16 = (native.panel_linear_bf16, native.pack_panels_bf16, native.gated_panel_linear_bf16) \
-                if native.bf16_panels else None
-            use_panel_kernel(self.modules(), native.panel_linear, native.pack_panels, native.gated_panel_linear, bf16)
+            f32 = panel_ops(native, torch.float32)
+            assert f32 is not None
+            use_panel_kernel(self.modules(), *f32, bf16=panel_ops(native, torch.bfloat16))
         else:
             use_panel_kernel(self.modules(), None)
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cache.kv_storage import KVStorage
 from engine import kernels, packing
 from engine.packing import PackedLinear, TiedEmbedding, onednn_supported, pack_model, use_panel_kernel
 
@@ -154,3 +155,41 @@ def test_without_a_onednn_layout_a_bfloat16_layer_holds_its_plain_weight(monkeyp
     assert all(m.plain is not None and m.packed is None and m.panels is None for m in layers)
     with torch.inference_mode():
         assert torch.equal(model(x), expected)
+
+
+@pytest.mark.skipif(ops is None, reason="the native ops cannot be built here (no C++ compiler)")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_model_packed_straight_into_panels_skips_onednn_and_equals_the_two_step_packing(
+        tiny_model_dir, monkeypatch, dtype: str) -> None:
+    """With a build of the kernels at hand, pack_model lays every weight out in the panels at
+    once (and the fast decoder's fused q/k/v stays in panels): the same panels as packing for
+    oneDNN and repacking, without oneDNN's reorder and back."""
+    from engine.model import load_model
+    from engine.packing import panel_ops
+    from engine.runner import ModelRunner
+
+    assert ops is not None
+    panels = panel_ops(ops, getattr(torch, dtype))
+    if panels is None:
+        pytest.skip("no bfloat16 panels in this build")
+    storage = lambda loaded: KVStorage(8, loaded.num_layers, 16, loaded.num_kv_heads, loaded.head_dim,  # noqa: E731
+                                       dtype=loaded.dtype)
+    two_step = load_model(str(tiny_model_dir), dtype=dtype, device="cpu", direct=True)
+    pack_model(two_step.model, two_step.device, two_step.dtype)
+    before = ModelRunner(two_step.model, storage(two_step), ops)
+
+    reorders: list[int] = []
+    onednn = packing._onednn_layout
+    monkeypatch.setattr(packing, "_onednn_layout", lambda w: reorders.append(1) or onednn(w))
+    direct = load_model(str(tiny_model_dir), dtype=dtype, device="cpu", direct=True)
+    pack_model(direct.model, direct.device, direct.dtype, panels=panels)
+    after = ModelRunner(direct.model, storage(direct), ops)
+    assert reorders == []
+    layers = lambda runner: [m for m in runner.modules() if isinstance(m, PackedLinear)]  # noqa: E731
+    assert len(layers(after)) == len(layers(before)) > 0
+    for a, b in zip(layers(after), layers(before), strict=True):
+        assert a.panels is not None and a.packed is None and a.plain is None and a.panel_ops == panels
+        assert torch.equal(a.panels, b.panels) and (a.gated_panel is None) == (b.gated_panel is None)
+    assert after.fast is not None and all(layer.qkv.panels is not None for layer in after.fast.layers)
+    ids = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+    assert torch.equal(after.execute(ids, [0], [[0, 1]], [0]), before.execute(ids, [0], [[0, 1]], [0]))
