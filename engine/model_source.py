@@ -8,6 +8,7 @@ module imports neither torch nor transformers, for the same reason.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -122,10 +123,33 @@ def resolve_model_path(model: str) -> str:
 
 def load_tokenizer(path: str) -> Any:
     """The tokenizer of a resolved model folder (what the API process needs to tokenize and
-    detokenize). transformers, and with it torch, is imported here, on first use."""
+    detokenize), as `AutoTokenizer` loads it. transformers is imported here, on first use.
+
+    A Llama folder whose tokenizer is transformers' generic `TokenizersBackend` (a tokenizer.json,
+    what KVGate's own models have) is loaded by that class directly: the class `AutoTokenizer`
+    picks for it, without the Auto machinery, which imports torch and transformers' model code
+    (~3 s of an API process's start on two cores)."""
+    if generic_tokenizer(path):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def generic_tokenizer(path: str) -> bool:
+    """Whether ``path`` is a local Llama folder whose tokenizer_config.json names the generic
+    `TokenizersBackend` over its tokenizer.json, with no code of its own (auto_map). Other model
+    types may map a generic declaration to their own class (Qwen2's does), so only Llama's is taken."""
+    folder = Path(path).expanduser()
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (config.get("model_type") == "llama" and tokenizer_config.get("tokenizer_class") == "TokenizersBackend"
+            and "auto_map" not in tokenizer_config and (folder / "tokenizer.json").is_file())
 
 
 def go_offline() -> None:
