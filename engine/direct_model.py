@@ -9,9 +9,11 @@ builds a module tree with the same names and shapes (``model.layers.N.self_attn.
 in a transformers model, and the KV it computes is the same.
 
 `direct_unsupported` says why a folder cannot take this path — a hub id, no safetensors, another
-architecture or activation, q/k norms, a rotary scaling other than none or linear, a config that
-leaves a shape to an architecture's defaults — and the caller then loads with transformers.
-The module tree has no ``forward`` of its own: it is run only by `FastDecoder`.
+architecture or activation, a rotary scaling other than none or linear, a quantized checkpoint, a
+config that leaves a shape to an architecture's defaults — and the caller then loads with
+transformers; so it does where `load_direct` finds weights that do not fit (q/k norms, say).
+The decoder and its layers have no ``forward``: only `FastDecoder` runs them (the MLP and the
+norm have one, which packing's check calls).
 """
 
 from __future__ import annotations
