@@ -43,9 +43,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DirectConfig:
-    """config.json's fields as attributes, with the derived ones transformers' config classes set
-    for these architectures (head_dim, num_key_value_heads, the standardised rotary parameters,
-    the sliding window). Unknown attributes raise AttributeError, as a transformers config does."""
+    """config.json's fields as attributes, with what the engine reads derived as transformers'
+    config classes derive it for these architectures (the standardised rotary parameters, the
+    sliding window, the defaults of the activation and of tying) and ``head_dim`` where the file
+    has none. Unknown attributes raise AttributeError, as a transformers config does."""
 
     def __init__(self, raw: dict[str, Any]) -> None:
         self.raw = dict(raw)

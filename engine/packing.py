@@ -325,7 +325,6 @@ def _own_memory(model: nn.Module) -> None:
                 module._buffers[name] = buffer.clone()
 
 
-
 def use_panel_kernel(modules: Iterable[nn.Module], linear: Callable[..., torch.Tensor] | None,
                      pack: Callable[..., torch.Tensor] | None = None,
                      gated: Callable[..., torch.Tensor] | None = None, bf16: PanelOps | None = None) -> int:
