@@ -18,7 +18,6 @@ import argparse
 import json
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,8 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from bench.cluster import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("listening_s", "ready_s", "first_token_s")
@@ -57,12 +58,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def say(message: str) -> None:
     print(f"[start_bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _answers(url: str) -> int | None:
@@ -121,7 +116,9 @@ def start_once(tree: Path, model: str, extra: list[str], timeout_s: float, log_p
                 figures["ready_s"] = time.time() - t0
             else:
                 time.sleep(0.05)
-        _complete(url, json.load(urllib.request.urlopen(url + "/v1/models", timeout=10))["data"][0]["id"])
+        with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
+            served = json.load(response)["data"][0]["id"]
+        _complete(url, served)
         figures["first_token_s"] = time.time() - t0
     finally:
         proc.terminate()

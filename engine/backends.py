@@ -139,8 +139,9 @@ class ProcessBackend:
         # hook sends the engine SIGTERM, which it turns into a drain request, and joins it forever.
         # Closing first (registered later, so run before that hook) flushes and stops it instead.
         atexit.register(self.close, EXIT_CLOSE_S)
-        # the tokenizer (transformers, torch: seconds of imports the first time) loads while the
-        # engine process imports the same and loads the model, on the other core
+        # the tokenizer (transformers: seconds of imports the first time, torch too unless it is
+        # a Llama folder's generic one, engine.model_source) loads while the engine process
+        # imports torch and loads the model, on the other core
         tokenizer: Future[Any] = Future()
         threading.Thread(target=_fill, args=(tokenizer, load_tokenizer, path), name="kvgate-tokenizer",
                          daemon=True).start()

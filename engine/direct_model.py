@@ -49,7 +49,6 @@ class DirectConfig:
     has none. Unknown attributes raise AttributeError, as a transformers config does."""
 
     def __init__(self, raw: dict[str, Any]) -> None:
-        self.raw = dict(raw)
         values = dict(raw)
         values.setdefault("hidden_act", "silu")
         values.setdefault("tie_word_embeddings", False)
@@ -248,30 +247,20 @@ def load_direct(path: str, dtype: torch.dtype, device: torch.device) -> DirectCa
     return model
 
 
-def eos_token_ids(path: str, config: DirectConfig) -> list[int] | None:
-    """End-of-sequence ids as `engine.model` gathers them from a transformers model and its
-    tokenizer: the generation config's, then the tokenizer's eos token, read from the folder's
-    files; None where the tokenizer's eos token cannot be resolved without loading it."""
+def tokenizer_eos_id(path: str) -> int | None:
+    """The id of the tokenizer's eos token (None: it has none), read from the folder's files as
+    the tokenizer would name and look it up; LookupError where the files do not say (the
+    tokenizer must be loaded to ask)."""
     folder = Path(path).expanduser()
-    ids: list[int] = []
-    for value in _as_list(_generation_defaults(folder, config).eos_token_id):
-        if int(value) not in ids:
-            ids.append(int(value))
     token = _tokenizer_eos(folder)
     if token is None:
-        return None if not (folder / "tokenizer_config.json").is_file() else ids
+        if (folder / "tokenizer_config.json").is_file():
+            return None
+        raise LookupError(f"{path} has no tokenizer_config.json")
     token_id = _token_id(folder, token)
     if token_id is None:
-        return None
-    if token_id not in ids:
-        ids.append(token_id)
-    return ids
-
-
-def _as_list(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    return [v for v in value if v is not None] if isinstance(value, (list, tuple)) else [value]
+        raise LookupError(f"{path}: eos token {token!r} is not in tokenizer.json")
+    return token_id
 
 
 def _generation_defaults(folder: Path, config: DirectConfig) -> GenerationDefaults:
@@ -280,7 +269,7 @@ def _generation_defaults(folder: Path, config: DirectConfig) -> GenerationDefaul
     file = folder / "generation_config.json"
     if file.is_file():
         return GenerationDefaults(json.loads(file.read_text()).get("eos_token_id"))
-    return GenerationDefaults(config.raw.get("eos_token_id"))
+    return GenerationDefaults(getattr(config, "eos_token_id", None))
 
 
 def _tokenizer_eos(folder: Path) -> str | None:

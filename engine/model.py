@@ -113,11 +113,13 @@ def _load_direct(model: str, path: str, dtype: torch.dtype, device: torch.device
     logger.info("loading weights path=%s dtype=%s device=%s (direct)", path, dtype, device)
     direct = direct_model.load_direct(path, dtype, device)
     config = direct.config
-    eos = direct_model.eos_token_ids(path, config)
     tokenizer = None
-    if eos is None:  # the folder's files do not say: ask the tokenizer, as transformers' path does
+    try:
+        tokenizer_eos = direct_model.tokenizer_eos_id(path)
+    except LookupError:  # the folder's files do not say: ask the tokenizer, as transformers' path does
         tokenizer = load_tokenizer(path)
-        eos = _eos_token_ids(direct, tokenizer)
+        tokenizer_eos = tokenizer.eos_token_id
+    eos = _eos_token_ids(direct.generation_config.eos_token_id, tokenizer_eos)
     return LoadedModel(
         model=direct, config=config, path=path, name=_served_name(model, path), device=device, dtype=dtype,
         num_layers=int(config.num_hidden_layers), num_kv_heads=int(config.num_key_value_heads),
@@ -147,7 +149,8 @@ def _load_transformers(model: str, path: str, torch_dtype: torch.dtype, torch_de
         num_layers=config.num_hidden_layers,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
-        eos_token_ids=_eos_token_ids(hf_model, tokenizer),
+        eos_token_ids=_eos_token_ids(getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None),
+                                     tokenizer.eos_token_id),
     )
 
 
@@ -225,11 +228,11 @@ def _served_name(model: str, path: str) -> str:
     return local.resolve().name if local.is_dir() else path
 
 
-def _eos_token_ids(hf_model: Any, tokenizer: Any) -> list[int]:
-    """End-of-sequence ids from the generation config, then the tokenizer, deduplicated in order."""
+def _eos_token_ids(generation: Any, tokenizer: Any) -> list[int]:
+    """End-of-sequence ids: the generation config's (an id, a list or None), then the
+    tokenizer's (an id or None), deduplicated in order."""
     ids: list[int] = []
-    generation = getattr(hf_model, "generation_config", None)
-    for source in (getattr(generation, "eos_token_id", None), tokenizer.eos_token_id):
+    for source in (generation, tokenizer):
         for value in source if isinstance(source, (list, tuple)) else [source]:
             if value is not None and int(value) not in ids:
                 ids.append(int(value))
